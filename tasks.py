@@ -1,0 +1,208 @@
+"""
+Tasks: where examples come from, how they are put to the model, and how answers are scored.
+
+A task is five plain things (see `Task`); `TASKS` maps a name to one. To add a task, write a
+`load` and a `prompt`, pick reward fns from rewards.py, and add a line to `TASKS`.
+
+- gsm8k: grade-school math word problems (Cobbe et al. 2021, github.com/openai/grade-school-math).
+  Read from `--data-dir DIR` / `GSM8K_DIR=DIR` if given, else downloaded once into
+  `$GRPO_CACHE/gsm8k` (default ~/.cache/grpo-mini/gsm8k) and checked by sha256.
+- arith: generated arithmetic ("What is 7 + 5?"), no data files. Small enough that a 135M model
+  can show learning on a CPU in minutes: SmolLM2-135M-Instruct greedy gets 0/64 one-digit sums
+  with a strict `#### N` line but 32/64 if any final number counts, so the format is learnable.
+"""
+
+import hashlib
+import json
+import os
+import random
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+from rewards import (answers_match, correctness_reward, extract_answer, extract_flexible,
+                     extract_gold, format_reward, has_final_answer)
+
+# -----------------------------------------------------------------------------
+# prompts: the one place to edit what the model is told. short: a 135M model reads it.
+
+SYSTEM_PROMPT = ("Solve the problem step by step. Then give the final answer on its own "
+                 "last line as: #### <number> (or \\boxed{<number>}).")
+ARITH_SYSTEM_PROMPT = "Answer the question. End with a final line: #### <number>"
+
+# arith default difficulty (one-digit sums)
+ARITH_DIGITS = 1
+ARITH_OPS = "+"
+
+SPLITS = ("train", "test")
+GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
+GSM8K_SHA256 = {
+    "train": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
+    "test": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
+}
+GSM8K_HINT = "pass --data-dir DIR or set GSM8K_DIR=DIR to a directory holding train.jsonl and test.jsonl"
+
+
+class DataError(ValueError):
+    """A user-facing data problem; train.py/eval.py print its one-line message and exit."""
+
+
+class Task(NamedTuple):
+    load: Callable            # load(split, data_dir=None) -> list[dict] with "question", "answer"
+    prompt: Callable          # prompt(example) -> chat messages
+    reward_fns: dict          # name -> fn(completions, **fields) -> list[float]
+    reward_weights: dict      # name -> default weight (train.py --reward-weights overrides by name)
+    score: Callable           # score(completion, example) -> dict for eval.py
+
+
+def _check_split(split):
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; valid splits: {list(SPLITS)}")
+
+# -----------------------------------------------------------------------------
+# gsm8k
+
+def load_gsm8k(split, data_dir=None):
+    """GSM8K examples {"question", "answer" (gold number), "solution" (full answer text)}.
+
+    From data_dir, else $GSM8K_DIR, else the cache (downloaded on first use). A local copy is
+    read as is (no checksum), so an edited file works; downloads are checked by sha256.
+    """
+    _check_split(split)
+    data_dir = data_dir or os.environ.get("GSM8K_DIR")
+    if data_dir:
+        path = Path(data_dir).expanduser() / f"{split}.jsonl"
+        if not path.is_file():
+            raise DataError(f"GSM8K file not found: {path}; {GSM8K_HINT}")
+    else:
+        cache = Path(os.environ.get("GRPO_CACHE") or "~/.cache/grpo-mini").expanduser() / "gsm8k"
+        path = cache / f"{split}.jsonl"
+        if not path.is_file():
+            _download(GSM8K_URL.format(split=split), path, GSM8K_SHA256[split])
+    return _read_jsonl(path)
+
+
+def _download(url, path, sha256):
+    """Fetch url to path via a temp file in the same dir, renamed only once the sha256 checks out."""
+    try:
+        with urllib.request.urlopen(url, timeout=20) as r:
+            data = r.read()
+    except OSError as e:  # URLError, timeouts, refused connections are all OSErrors
+        raise DataError(f"could not download GSM8K from {url} ({e}); {GSM8K_HINT}") from None
+    got = hashlib.sha256(data).hexdigest()
+    if got != sha256:
+        raise DataError(f"downloaded {url} has sha256 {got}, expected {sha256}; {GSM8K_HINT}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)  # atomic: a reader never sees half a file
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _read_jsonl(path):
+    examples = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+                question, solution = row["question"], row["answer"]
+                gold = extract_gold(solution)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            except (KeyError, TypeError) as e:
+                raise DataError(f"{path}:{lineno}: expected an object with 'question' and 'answer' ({e!r})") from None
+            except ValueError as e:
+                raise DataError(f"{path}:{lineno}: {e}") from None
+            examples.append({"question": question, "answer": gold, "solution": solution})
+    return examples
+
+
+def gsm8k_prompt(example):
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": example["question"]}]
+
+# -----------------------------------------------------------------------------
+# arith
+
+ARITH_N_TEST = 200
+ARITH_N_TRAIN = 10_000
+ARITH_TEST_PERCENT = 20  # share of the problem space that is test-only
+OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+
+
+def _is_test(a, op, b):
+    """Fixed split by a hash of the problem: no test problem is ever in train, whatever n or seed."""
+    h = hashlib.sha256(f"{a}{op}{b}".encode()).digest()
+    return int.from_bytes(h[:4], "little") % 100 < ARITH_TEST_PERCENT
+
+
+def load_arith(split, data_dir=None, n=None, digits=ARITH_DIGITS, ops=ARITH_OPS, seed=0):
+    """n distinct generated problems {"question": "What is 7 + 5?", "answer": "12"}.
+
+    Operands have up to `digits` digits; `ops` is a string of operators from "+-*"; for "-" the
+    first operand is >= the second, so answers are never negative. n defaults to 200 for test
+    and 10,000 for train, and is capped at the size of the split: one-digit sums have only 100
+    problems, ~80 train and ~20 test (the train loop cycles over train). `seed` picks which
+    problems and their order; the train/test split itself does not depend on it.
+    data_dir is ignored (nothing to read).
+    """
+    _check_split(split)
+    bad = sorted(set(ops) - set(OPS))
+    if not ops or bad:
+        raise ValueError(f"unknown arith operator(s) {bad}; use a string of {''.join(OPS)}, e.g. '+-'")
+    if digits < 1:
+        raise ValueError(f"digits must be >= 1, got {digits}")
+    n = n if n is not None else (ARITH_N_TEST if split == "test" else ARITH_N_TRAIN)
+    want_test = split == "test"
+    rng = random.Random(seed)
+    ops = sorted(set(ops))
+    hi = 10 ** digits - 1
+    if len(ops) * (hi + 1) ** 2 <= 100_000:  # small space: enumerate it, so the cap is exact
+        space = [(a, op, b) for op in ops for a in range(hi + 1) for b in range(hi + 1)
+                 if not (op == "-" and a < b) and _is_test(a, op, b) == want_test]
+        problems = rng.sample(space, min(n, len(space)))
+    else:  # huge space: draw at random, repeats are rare and skipped
+        problems, seen = [], set()
+        for _ in range(50 * n):  # bounded, in case n is near the split's size
+            if len(problems) == n:
+                break
+            a, op, b = rng.randint(0, hi), rng.choice(ops), rng.randint(0, hi)
+            if op == "-" and a < b:
+                a, b = b, a
+            if (a, op, b) not in seen and _is_test(a, op, b) == want_test:
+                seen.add((a, op, b))
+                problems.append((a, op, b))
+    return [{"question": f"What is {a} {op} {b}?", "answer": str(OPS[op](a, b))} for a, op, b in problems]
+
+
+def arith_prompt(example):
+    return [{"role": "system", "content": ARITH_SYSTEM_PROMPT}, {"role": "user", "content": example["question"]}]
+
+# -----------------------------------------------------------------------------
+# scoring, shared by both tasks
+
+def score(completion, example):
+    """What eval.py reports: strict = the final-answer line (`#### N` or `\\boxed{}`) is right,
+    flexible = the last number in the text is right (lm-eval's flexible-extract)."""
+    pred = extract_answer(completion)
+    return {
+        "pred": pred,
+        "strict": answers_match(pred, example["answer"]),
+        "flexible": answers_match(extract_flexible(completion), example["answer"]),
+        "format": has_final_answer(completion),
+    }
+
+
+# format gets a small weight: a push towards the `####` line, which correctness needs first
+TASKS = {
+    "gsm8k": Task(load_gsm8k, gsm8k_prompt, {"correct": correctness_reward, "format": format_reward},
+                  {"correct": 1.0, "format": 0.1}, score),
+    "arith": Task(load_arith, arith_prompt, {"correct": correctness_reward, "format": format_reward},
+                  {"correct": 1.0, "format": 0.1}, score),
+}
