@@ -1,0 +1,119 @@
+"""
+Accuracy of a model or a train.py checkpoint on a task's test split.
+
+    python eval.py --task gsm8k --model smollm2-135m --limit 200
+    python eval.py --task arith --ckpt out/arith            # a train.py run (its ckpt.pt)
+    python eval.py --task gsm8k --model X --n 8 --temperature 1.0   # sampled pass@8
+
+Greedy decoding by default (n=1). Reports strict accuracy (the `#### N` / \\boxed{} final-answer
+line is right), flexible accuracy (the last number in the text is right) and the format rate,
+writes one jsonl line per prediction, and prints a one-line summary. train.py reuses `evaluate`.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from tqdm import tqdm
+
+from models import DTYPES, ModelError, check_dtype, load_model, load_tokenizer, resolve_device, stop_token_ids
+from rollout import sample
+from tasks import TASKS, DataError
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, task, examples, max_new_tokens=256, batch_size=32, n=1, temperature=1.0,
+             seed=0, progress=True):
+    """Score `examples`; n=1 is greedy, n>1 samples n completions each (pass@n and mean@n).
+
+    Returns (summary dict, one record per example).
+    """
+    device = next(model.parameters()).device
+    stops = stop_token_ids(tokenizer, model)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    per_batch = max(1, batch_size // n)
+    records = []
+    for i in tqdm(range(0, len(examples), per_batch), desc="eval", disable=not progress, leave=False):
+        batch = examples[i:i + per_batch]
+        r = sample(model, tokenizer, [task.prompt(ex) for ex in batch], n, max_new_tokens, stops,
+                   temperature=temperature if n > 1 else 0.0, generator=generator)
+        for j, ex in enumerate(batch):
+            outs = r.completions[j * n:(j + 1) * n]
+            scores = [task.score(c, ex) for c in outs]
+            records.append({"question": ex["question"], "gold": ex["answer"], "completion": outs[0],
+                            "pred": scores[0]["pred"], "correct": scores[0]["strict"],
+                            "strict": sum(s["strict"] for s in scores) / n,
+                            "flexible": sum(s["flexible"] for s in scores) / n,
+                            "format": sum(s["format"] for s in scores) / n,
+                            "pass": any(s["strict"] for s in scores),
+                            **({"completions": outs} if n > 1 else {})})
+    k = max(len(records), 1)
+    summary = {"n_examples": len(records), "strict_acc": sum(r["strict"] for r in records) / k,
+               "flexible_acc": sum(r["flexible"] for r in records) / k,
+               "format_rate": sum(r["format"] for r in records) / k}
+    if n > 1:
+        summary[f"pass@{n}"] = sum(r["pass"] for r in records) / k
+    return summary, records
+
+
+def load_checkpoint_model(path, device, dtype):
+    """A train.py checkpoint (ckpt.pt or its run dir) -> (model, tokenizer, config)."""
+    path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
+    if not os.path.isfile(path):
+        raise ModelError(f"no checkpoint at {path}; pass a train.py --out-dir or its ckpt.pt")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        cfg = ckpt["config"]
+    except Exception as e:  # truncated or foreign file
+        raise ModelError(f"checkpoint {path} is unreadable ({type(e).__name__}); pass another one") from None
+    model = load_model(cfg["model"], device, dtype, trainable=False)
+    model.load_state_dict(ckpt["model"])
+    return model, load_tokenizer(cfg["model"]), cfg
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", default="gsm8k", choices=sorted(TASKS))
+    p.add_argument("--data-dir", default=None, help="local GSM8K dir (else $GSM8K_DIR, else download)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default=None, help="hub id, local HF dir, .gguf file or smollm2-135m")
+    src.add_argument("--ckpt", default=None, help="train.py out dir or ckpt.pt")
+    p.add_argument("--split", default="test", choices=["train", "test"])
+    p.add_argument("--limit", type=int, default=None, help="first N examples of the split (default: all)")
+    p.add_argument("--n", type=int, default=1, help="samples per question; 1 = greedy")
+    p.add_argument("--temperature", type=float, default=1.0, help="used when --n > 1")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=32, help="completions decoded together")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights for decoding")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="predictions jsonl (default: beside the ckpt, or ./predictions.jsonl)")
+    args = p.parse_args()
+    if args.n < 1 or (args.limit is not None and args.limit < 1):
+        p.error("--n and --limit must be >= 1")
+    try:
+        device, dtype = resolve_device(args.device), DTYPES[args.dtype]
+        check_dtype(device, dtype)
+        task = TASKS[args.task]
+        examples = task.load(args.split, data_dir=args.data_dir)[:args.limit]
+        if args.ckpt:
+            model, tok, _ = load_checkpoint_model(args.ckpt, device, dtype)
+        else:
+            model, tok = load_model(args.model or "smollm2-135m", device, dtype, trainable=False), load_tokenizer(args.model or "smollm2-135m")
+    except (ModelError, DataError) as e:
+        sys.exit(f"error: {e}")
+    summary, records = evaluate(model, tok, task, examples, args.max_new_tokens, args.batch_size, args.n,
+                                args.temperature, args.seed)
+    out = args.out or (os.path.join(args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(args.ckpt),
+                                    f"predictions_{args.task}_{args.split}.jsonl") if args.ckpt else "predictions.jsonl")
+    with open(out, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    print(f"{args.task}/{args.split} {args.ckpt or args.model or 'smollm2-135m'}: " +
+          " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()) +
+          f" -> {out}")
+
+
+if __name__ == "__main__":
+    main()

