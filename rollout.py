@@ -98,6 +98,16 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
     Each prompt is prefilled once and its KV cache repeated G times (prefix reuse), then all
     rows decode together until every row has produced a stop token or max_new_tokens is reached.
     """
+    was_training = model.training
+    model.eval()  # no dropout, and HF drops the KV cache in train mode under gradient checkpointing
+    try:
+        return _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature, top_p, top_k,
+                       generator)
+    finally:
+        model.train(was_training)
+
+
+def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature, top_p, top_k, generator):
     device = next(model.parameters()).device
     pad_id = stop_ids[0]  # any id works: padding is masked everywhere
     ids, mask = left_pad(encode_prompts(tokenizer, prompts), pad_id)  # (B, P)
@@ -141,7 +151,22 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
     return Rollout(prompt_ids=ids, prompt_mask=mask[:, :ids.size(1)], completion_ids=completion_ids,
                    completion_mask=completion_mask, truncated=truncated,
                    group=torch.arange(N, device=device) // G, completions=texts,
-                   sample_logp=torch.stack(logps, 1) * completion_mask)
+                   sample_logp=torch.stack(logps, 1).masked_fill(completion_mask == 0, 0.0))
+
+
+def micro_batches(r, size):
+    """Yield (rows, input_ids, attention_mask, c) for each slice of `size` rows of a Rollout.
+
+    Each slice is trimmed to the columns some row in it uses: the leading all-padding prompt
+    columns (dropping them leaves cumsum positions unchanged) and the completion columns after
+    its longest completion; c is the number of completion columns kept.
+    """
+    mask = r.attention_mask  # (N, P+C)
+    P = r.prompt_ids.size(1)
+    for i in range(0, mask.size(0), size):
+        used = mask[i:i + size].any(0).nonzero()  # prompts are left-padded, completions right-padded
+        lo, hi = used.min().item(), used.max().item() + 1
+        yield slice(i, i + size), r.input_ids[i:i + size, lo:hi], mask[i:i + size, lo:hi], hi - P
 
 
 def _head_logprobs(lm_head, hidden, targets, temperature, with_entropy):

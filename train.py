@@ -34,13 +34,13 @@ import grpo
 from eval import evaluate
 from models import DTYPES, ModelError, check_dtype, load_model, load_tokenizer, resolve_device, stop_token_ids
 from rewards import combine_rewards
-from rollout import sample, token_logprobs
+from rollout import micro_batches, sample, token_logprobs
 from tasks import TASKS, DataError
 
 # -----------------------------------------------------------------------------
 # flags: defaults here, then --config file, then the command line
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-p.add_argument("--config", default=None, help="python file of plain assignments, e.g. lr = 1e-6")
+p.add_argument("--config", action="append", default=[], help="file of plain assignments (lr = 1e-6); repeatable, later wins")
 # --- task and model
 p.add_argument("--task", default="gsm8k", choices=sorted(TASKS))
 p.add_argument("--data-dir", default=None, help="local GSM8K dir (else $GSM8K_DIR, else download once)")
@@ -85,7 +85,7 @@ p.add_argument("--seed", type=int, default=0)
 p.add_argument("--out-dir", default="out/run")
 p.add_argument("--eval-every", type=int, default=0, help="steps between evals on the test split; 0 = only at the end")
 p.add_argument("--eval-n", type=int, default=200, help="test examples per eval (the first N); 0 = no eval")
-p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints (and one at the end)")
+p.add_argument("--save-every", type=int, default=50, help="steps between checkpoints (and one at the end); 0 = none")
 p.add_argument("--resume", default=None, help="out dir or ckpt.pt to continue from")
 p.add_argument("--log-completions", type=int, default=10, help="print a sample completion every N steps; 0 = never")
 
@@ -107,12 +107,15 @@ def load_config(path):
             cfg[name] = ast.literal_eval(node.value)
         except ValueError:
             p.error(f"{path}:{node.lineno}: the value of '{name}' must be a literal")
+        action = next(a for a in p._actions if a.dest == name)  # argparse checks choices on the command line only
+        if action.choices is not None and cfg[name] not in action.choices:
+            p.error(f"{path}:{node.lineno}: {name} = {cfg[name]!r}: choose from {sorted(action.choices)}")
     return cfg
 
 
 pre = p.parse_known_args()[0]
-if pre.config:
-    p.set_defaults(**load_config(pre.config))
+for path in pre.config:  # e.g. a base config, then an ablation that changes two lines of it
+    p.set_defaults(**load_config(path))
 ckpt = None
 if pre.resume:  # the checkpoint's config, then the command line on top
     path = os.path.join(pre.resume, "ckpt.pt") if os.path.isdir(pre.resume) else pre.resume
@@ -121,9 +124,8 @@ if pre.resume:  # the checkpoint's config, then the command line on top
         p.set_defaults(**{**ckpt["config"], "out_dir": os.path.dirname(os.path.abspath(path))})
     except Exception as e:
         p.error(f"--resume {pre.resume}: no readable checkpoint at {path} ({type(e).__name__})")
-args = p.parse_args()
-args.eps_high = args.eps if args.eps_high is None else args.eps_high
-args.ref_model = args.ref_model or args.model
+args = p.parse_args()  # saved as given: a resumed run re-resolves eps_high and ref_model from its own flags
+eps_high = args.eps if args.eps_high is None else args.eps_high
 
 # -----------------------------------------------------------------------------
 # setup: distributed, device, checks that turn user mistakes into one-line errors
@@ -150,8 +152,8 @@ if args.prompts_per_step % world:
     p.error(f"--prompts-per-step {args.prompts_per_step} does not split over {world} ranks: use a multiple of {world}")
 if N % args.micro_batch:
     p.error(f"--micro-batch {args.micro_batch} must divide the {N} completions per rank per step")
-if args.eps_high < args.eps:
-    p.error(f"--eps-high {args.eps_high} < --eps {args.eps}: clip-higher needs eps_high >= eps")
+if eps_high < args.eps:
+    p.error(f"--eps-high {eps_high} < --eps {args.eps}: clip-higher needs eps_high >= eps")
 if not 0 < args.top_entropy_quantile <= 1:
     p.error("--top-entropy-quantile must be in (0, 1]")
 if args.mu < 1 or args.steps < 1:
@@ -168,10 +170,11 @@ try:
     open(os.path.join(args.out_dir, ".write_test"), "w").close()
 except OSError as e:
     p.error(f"--out-dir {args.out_dir} is not writable ({e.strerror}); pass another directory")
-if master:
-    print(json.dumps(vars(args), indent=1))
+if master:  # resolved values here; the checkpoint keeps the flags as given, for --resume
+    resolved = {**vars(args), "eps_high": eps_high, "ref_model": args.ref_model or args.model}
+    print(json.dumps(resolved, indent=1))
     with open(os.path.join(args.out_dir, "config.json"), "w") as f:
-        json.dump(vars(args), f, indent=1)
+        json.dump(resolved, f, indent=1)
 torch.manual_seed(args.seed + rank)
 autocast = torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32)
 
@@ -182,7 +185,7 @@ try:
     policy = load_model(args.model, device, torch.float32)  # fp32 master weights
     # sampling reads every weight once per token: a --dtype copy is much faster than autocast
     sampler = policy if dtype == torch.float32 else copy.deepcopy(policy).to(dtype).eval().requires_grad_(False)
-    ref = load_model(args.ref_model, ref_device, dtype, trainable=False) if args.beta > 0 else None
+    ref = load_model(args.ref_model or args.model, ref_device, dtype, trainable=False) if args.beta > 0 else None
     train_set = task.load("train", data_dir=args.data_dir)
     test_set = task.load("test", data_dir=args.data_dir)[:args.eval_n] if master and args.eval_n else []
 except (ModelError, DataError) as e:
@@ -224,16 +227,6 @@ def prompts_for_step(step):
     return [train_set[i] for i in order[start:start + local_prompts].tolist()]
 
 
-def micro_batches(r, size):
-    """Row slices of a rollout, each trimmed to the columns some row in it uses."""
-    mask = r.attention_mask  # (N, P+C)
-    P = r.prompt_ids.size(1)
-    for i in range(0, mask.size(0), size):
-        used = mask[i:i + size].any(0).nonzero()  # prompts are left-padded, completions right-padded
-        lo, hi = used.min().item(), used.max().item() + 1
-        yield slice(i, i + size), r.input_ids[i:i + size, lo:hi], mask[i:i + size, lo:hi], hi - P
-
-
 def all_mean(x):
     """Mean over ranks of a float tensor (identity without torchrun)."""
     if ddp:
@@ -267,7 +260,11 @@ def run_eval(step, log):
 
 # -----------------------------------------------------------------------------
 # the loop
-log = open(os.path.join(args.out_dir, "metrics.jsonl"), "a") if master else None
+metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
+if master and start_step and os.path.exists(metrics_path):  # drop what was logged after the checkpoint
+    kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= start_step]
+    open(metrics_path, "w").writelines(kept)
+log = open(metrics_path, "a") if master else None
 if start_step == 0 and args.eval_every:
     run_eval(0, log)
 bad_steps = 0
@@ -313,7 +310,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
             m_mask = loss_mask[rows, :c]
             loss, metrics = grpo.grpo_loss(
                 logp, None if old_logp is None else old_logp[rows, :c], None if ref is None else ref_logp[rows, :c],
-                adv[rows], m_mask, beta=args.beta, eps_low=args.eps, eps_high=args.eps_high, delta=args.delta,
+                adv[rows], m_mask, beta=args.beta, eps_low=args.eps, eps_high=eps_high, delta=args.delta,
                 kl_estimator=args.kl_estimator, loss_type=args.loss_type, importance_level=args.importance_level,
                 entropy=entropy, entropy_coef=args.entropy_coef, top_entropy_quantile=args.top_entropy_quantile,
                 num_sequences=N, num_tokens=num_tokens, max_len=args.max_new_tokens)
@@ -341,6 +338,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
                 sys.exit("error: 5 non-finite updates in a row; lower --lr or use --dtype bfloat16/float32")
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
+        lr = optimizer.param_groups[0]["lr"]  # the rate this update used; the scheduler now moves on
         scheduler.step()
     if sampler is not policy:  # keep the sampling copy equal to the policy
         with torch.no_grad():
@@ -352,7 +350,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
                 s.copy_(args.ref_sync_alpha * q.to(s) + (1 - args.ref_sync_alpha) * s)
     t3 = time.time()
     # 5. metrics: per-rank values averaged over ranks, only rank 0 writes
-    row = {"loss": sum(stats.pop("loss")), "reward": rewards.mean(), "reward_std": rewards.std(),
+    row = {"loss": sum(stats.pop("loss")) / args.mu, "reward": rewards.mean(), "reward_std": rewards.std(),
            "frac_zero_std": frac_zero, "completion_len": lengths.float().mean(),
            "completion_len_max": lengths.max().float(), "truncated": r.truncated.float().mean(),
            "grad_norm": grad_norm, **{f"reward/{k}": torch.tensor(v).mean() for k, v in per_fn.items()}}
@@ -360,7 +358,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
         row[k] = max(v) if k.endswith("_max") or k == "max_dlogp" else min(v) if k.endswith("_min") else sum(v) / len(v)
     row = {k: all_mean(torch.as_tensor(v, dtype=torch.float32, device=device).detach()).item() for k, v in row.items()}
     gen_tokens = all_mean(lengths.sum().float()).item() * world
-    row.update(step=step + 1, lr=scheduler.get_last_lr()[0], t_generate=t1 - t0, t_reference=t2 - t1,
+    row.update(step=step + 1, lr=lr, t_generate=t1 - t0, t_reference=t2 - t1,
                t_train=t3 - t2, t_step=t3 - t0, gen_tok_s=gen_tokens / (t1 - t0))
     if master:
         log.write(json.dumps(row) + "\n")
@@ -372,12 +370,14 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
             tqdm.write(f"--- sample (reward {total[0]:.2f}, gold {examples[0]['answer']}):\n{r.completions[0]}\n---")
     if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
         run_eval(step + 1, log)
-    if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+    if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
         save_checkpoint(step + 1)
 
 # -----------------------------------------------------------------------------
 # final eval
 if start_step < args.steps:
     run_eval(args.steps, log)
+if master:
+    log.close()
 if ddp:
     dist.destroy_process_group()

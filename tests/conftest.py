@@ -9,7 +9,11 @@ from tokenizers import Tokenizer, pre_tokenizers, processors
 from tokenizers.models import WordLevel
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-# ids 0..3 are special; pad == eos like SmolLM2 (`<|im_end|>` is both), and `<|endoftext|>` is a
+# tiny models run ~100x slower with 2 OpenMP threads when another process holds a core (spin-waits);
+# one thread keeps the suite fast and its timing stable on a shared or loaded machine
+torch.set_num_threads(1)
+
+# ids 0..4 are special; pad == eos like SmolLM2 (`<|im_end|>` is both), and `<|endoftext|>` is a
 # second stop id the way Qwen lists two in generation_config.eos_token_id
 SPECIALS = ["<|endoftext|>", "<bos>", "<|im_start|>", "<|im_end|>", "<unk>"]
 ROLES = ["system", "user", "assistant"]

@@ -1,0 +1,137 @@
+"""
+Benchmark one GRPO step of train.py, optionally side by side with TRL's GRPOTrainer.
+
+    python bench.py                 # our loop: per-phase times, tokens/s, peak RSS
+    python bench.py --vs-trl        # + TRL GRPOTrainer at the same settings (pip install trl==1.16.0)
+
+Defaults are the configuration of issue 5: SmolLM2-135M-Instruct, 2 GSM8K prompts x G=8 = 16
+completions, 128 new tokens, temperature 1.0, beta=0.04 (reference model on), mu=1, lr 1e-6,
+fp32 master weights with bf16 autocast. Each side runs in its own subprocess (peak RSS is that
+process's ru_maxrss); the first step is a warm-up and the median of the others is reported.
+"""
+
+import argparse
+import json
+import os
+import resource
+import runpy
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--model", default="smollm2-135m")
+p.add_argument("--steps", type=int, default=4, help="steps per side; the first is a warm-up")
+p.add_argument("--prompts-per-step", type=int, default=2)
+p.add_argument("--group-size", type=int, default=8)
+p.add_argument("--micro-batch", type=int, default=8, help="ours only; TRL does the 16 in one pass")
+p.add_argument("--max-new-tokens", type=int, default=128)
+p.add_argument("--beta", type=float, default=0.04)
+p.add_argument("--lr", type=float, default=1e-6)
+p.add_argument("--loss-type", default="grpo")
+p.add_argument("--dtype", default="bfloat16")
+p.add_argument("--data-dir", default=None, help="GSM8K dir (else $GSM8K_DIR, else download)")
+p.add_argument("--vs-trl", action="store_true", help="also run TRL's GRPOTrainer and print the ratios")
+p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
+p.add_argument("--out", default=None, help=argparse.SUPPRESS)
+args = p.parse_args()
+
+
+def ours_child(out):
+    """Run train.py in this process; its metrics.jsonl gives the per-phase times."""
+    sys.argv = ["train.py", "--task", "gsm8k", "--model", args.model, "--steps", str(args.steps),
+                "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
+                "--micro-batch", str(args.micro_batch), "--max-new-tokens", str(args.max_new_tokens),
+                "--temperature", "1.0", "--beta", str(args.beta), "--lr", str(args.lr), "--mu", "1",
+                "--loss-type", args.loss_type, "--dtype", args.dtype, "--eval-n", "0", "--save-every", "0",
+                "--log-completions", "0", "--out-dir", out] + (["--data-dir", args.data_dir] if args.data_dir else [])
+    runpy.run_path(os.path.join(HERE, "train.py"), run_name="__main__")
+    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return [{"t_step": r["t_step"], "t_generate": r["t_generate"], "t_reference": r["t_reference"],
+             "t_train": r["t_train"], "completion_len": r["completion_len"], "loss": r["loss"]} for r in rows]
+
+
+def trl_child(out):
+    """TRL's GRPOTrainer at the same settings; a callback times each optimizer step."""
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from models import load_tokenizer, resolve_model
+    from rewards import combine_rewards
+    from tasks import TASKS
+    task = TASKS["gsm8k"]
+    examples = task.load("train", data_dir=args.data_dir)[:args.steps * args.prompts_per_step]
+    data = Dataset.from_list([{"prompt": task.prompt(ex), "answer": ex["answer"]} for ex in examples])
+
+    def reward(completions, answer, **_):  # TRL passes chat completions as message lists
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return combine_rewards(task.reward_fns, task.reward_weights, texts, answer=answer)[0]
+
+    class Timer(TrainerCallback):
+        rows, t0 = [], None
+
+        def on_step_begin(self, a, state, control, **kw):
+            self.t0 = time.time()
+
+        def on_step_end(self, a, state, control, **kw):
+            self.rows.append({"t_step": time.time() - self.t0})
+
+    cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=args.prompts_per_step * args.group_size,
+                     num_generations=args.group_size, max_completion_length=args.max_new_tokens, temperature=1.0,
+                     beta=args.beta, learning_rate=args.lr, num_iterations=1, loss_type=args.loss_type,
+                     bf16=args.dtype == "bfloat16", use_cpu=not torch.cuda.is_available(), max_steps=args.steps,
+                     logging_steps=1, report_to=[], save_strategy="no", seed=0, lr_scheduler_type="constant",
+                     shuffle_dataset=False)
+    timer = Timer()
+    trainer = GRPOTrainer(model=resolve_model(args.model), reward_funcs=reward, args=cfg, train_dataset=data,
+                          processing_class=load_tokenizer(args.model), callbacks=[timer])
+    trainer.train()
+    lens = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
+    return [dict(r, completion_len=l) for r, l in zip(timer.rows, lens)]
+
+
+if args.child:  # one side, in its own process, so its peak RSS is its own
+    sys.path.insert(0, HERE)
+    rows = (ours_child if args.child == "ours" else trl_child)(tempfile.mkdtemp())
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB on Linux
+    json.dump({"rows": rows, "peak_rss_gib": peak}, open(args.out, "w"))
+    sys.exit(0)
+
+
+def run_side(name):
+    out = tempfile.mktemp(suffix=".json")
+    cmd = [sys.executable, __file__, "--child", name, "--out", out] + [a for a in sys.argv[1:] if a != "--vs-trl"]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if name == "trl" else None)
+    res = json.load(open(out))
+    timed = res["rows"][1:] or res["rows"]  # drop the warm-up step
+    med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
+    return med, res["peak_rss_gib"], res["rows"]
+
+
+cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
+import torch  # noqa: E402 (only for the machine line)
+print(f"# {time.strftime('%Y-%m-%d')} | {cpu} | {os.cpu_count()} cores, torch {torch.__version__}, "
+      f"{torch.get_num_threads()} threads | {args.model}, {args.prompts_per_step}x{args.group_size} completions, "
+      f"{args.max_new_tokens} new tokens, beta {args.beta}, {args.dtype} autocast, {args.steps - 1} timed steps")
+results = {"ours": run_side("ours")}
+if args.vs_trl:
+    results["trl"] = run_side("trl")
+print("\n| side | step s | generate s | reference s | train s | gen tok/s | mean completion len | peak RSS GiB |")
+print("|---|---|---|---|---|---|---|---|")
+for name, (med, peak, _) in results.items():
+    n_tok = med["completion_len"] * args.prompts_per_step * args.group_size
+    g = med.get("t_generate")
+    print(f"| {name} | {med['t_step']:.1f} | {g and f'{g:.1f}' or '-'} | "
+          f"{med.get('t_reference') and f'{med['t_reference']:.1f}' or '-'} | {med.get('t_train') and f'{med['t_train']:.1f}' or '-'} | "
+          f"{g and f'{n_tok / g:.0f}' or '-'} | {med['completion_len']:.0f} | {peak:.2f} |")
+if args.vs_trl:
+    (o, po, _), (t, pt, _) = results["ours"], results["trl"]
+    print(f"\nours / TRL: step time {o['t_step'] / t['t_step']:.2f}x, peak RSS {po / pt:.2f}x "
+          f"(goal <= 0.33x both); per-token step time ratio "
+          f"{(o['t_step'] / o['completion_len']) / (t['t_step'] / t['completion_len']):.2f}x")

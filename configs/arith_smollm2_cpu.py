@@ -1,0 +1,21 @@
+# the offline CPU run: SmolLM2-135M-Instruct (GGUF from PyPI) learns to end with "#### N" on arith.
+# python train.py --config configs/arith_smollm2_cpu.py
+task = "arith"
+model = "smollm2-135m"
+device = "auto"
+dtype = "bfloat16"        # autocast; sampling runs on a bf16 copy (~10x faster decoding on CPU)
+group_size = 8            # G
+prompts_per_step = 4      # 32 completions a step
+micro_batch = 16
+max_new_tokens = 48       # answers are one line; long rambles get cut and score 0
+temperature = 1.0
+lr = 1e-5                 # a 135M model and a format to learn: higher than the paper's 1e-6
+warmup_steps = 5
+beta = 0.04               # the paper's KL; reference in bf16 on the same device
+loss_type = "grpo"
+steps = 100
+eval_every = 25
+eval_n = 200
+save_every = 25
+log_completions = 10
+out_dir = "out/arith_smollm2_cpu"

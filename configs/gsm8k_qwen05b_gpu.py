@@ -1,0 +1,24 @@
+# the GSM8K run a GPU user starts from: Qwen2.5-0.5B-Instruct, one 80 GB GPU.
+# python train.py --config configs/gsm8k_qwen05b_gpu.py   (torchrun --nproc_per_node=N for more GPUs)
+task = "gsm8k"
+model = "Qwen/Qwen2.5-0.5B-Instruct"
+device = "cuda"
+dtype = "bfloat16"
+group_size = 16           # the paper samples 64 per question; 16 is common practice at this size
+prompts_per_step = 32     # 512 completions per generation batch
+micro_batch = 32
+max_new_tokens = 512
+temperature = 1.0
+lr = 1e-6                 # the paper's policy learning rate
+warmup_steps = 10
+weight_decay = 0.0
+grad_clip = 1.0
+beta = 0.04               # the paper's KL coefficient
+kl_estimator = "k3"
+mu = 1                    # one update per generation batch: old log-probs are skipped
+loss_type = "grpo"
+steps = 200
+eval_every = 25
+eval_n = 500
+save_every = 25
+out_dir = "out/gsm8k_qwen05b"

@@ -1,0 +1,17 @@
+# GSM8K with the offline 135M model on CPU: honest about what 30 minutes can do (see README).
+# python train.py --config configs/gsm8k_smollm2_cpu.py --data-dir ../shared/data/gsm8k
+task = "gsm8k"
+model = "smollm2-135m"
+dtype = "bfloat16"
+group_size = 8
+prompts_per_step = 2
+micro_batch = 16
+max_new_tokens = 192
+lr = 1e-5
+warmup_steps = 5
+beta = 0.04
+steps = 60
+eval_every = 0            # eval once at the end (200 problems take minutes on CPU)
+eval_n = 200
+save_every = 20
+out_dir = "out/gsm8k_smollm2_cpu"

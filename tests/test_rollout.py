@@ -1,0 +1,318 @@
+"""Tests for rollout.py against hand calculations and naive recomputations (CPU, tiny Llama, fp32)."""
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import ENDOFTEXT, EOS, VOCAB, make_model, make_tokenizer
+from models import stop_token_ids
+from rollout import (completion_mask_from_stops, encode_prompts, filter_logits, left_pad, sample,
+                     token_logprobs)
+
+# prompts of very different lengths so left padding is real
+PROMPTS = ["w1 w2", "w3 w4 w5 w6 w7 w8 w9 w10 w11 w12",
+           [{"role": "system", "content": "w13"}, {"role": "user", "content": "w14 w15 w16"}]]
+
+
+def _gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def _naive_logprobs(model, input_ids, attention_mask, C, temperature=1.0):
+    """Full-vocab log_softmax over the whole model output: logp (N, C), entropy (N, C)."""
+    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (N, T)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).logits  # (N, T, V)
+    logp_all = (logits[:, -C - 1:-1].float() / temperature).log_softmax(-1)  # (N, C, V)
+    logp = logp_all.gather(-1, input_ids[:, -C:, None]).squeeze(-1)  # (N, C)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)  # (N, C)
+    return logp, entropy
+
+
+def _ragged_batch(N=3, P=5, C=6, seed=0):
+    """Random ids with left-padded prompts and right-padded completions: ids, mask (N, P+C), cmask (N, C)."""
+    g = _gen(seed)
+    ids = torch.randint(5, len(VOCAB), (N, P + C), generator=g)
+    prompt_lens, comp_lens = [5, 2, 3][:N], [6, 4, 1][:N]
+    mask = torch.zeros(N, P + C, dtype=torch.long)
+    for i, (p, c) in enumerate(zip(prompt_lens, comp_lens)):
+        mask[i, P - p:P + c] = 1
+    return ids, mask, mask[:, P:]
+
+
+# -----------------------------------------------------------------------------
+# masks and stop ids
+
+def test_completion_mask_from_stops_hand_cases():
+    ids = torch.tensor([[5, 6, 3, 7, 3],   # stop at 2: keep it, drop what follows (incl. a second stop)
+                        [5, 0, 3, 3, 3],   # second stop id at 1; pad == eos after it must not count
+                        [5, 6, 7, 8, 9],   # no stop: whole row, truncated
+                        [3, 3, 3, 3, 3],   # stop first: only the stop token
+                        [5, 5, 5, 5, 0]])  # stop on the last token: whole row, not truncated
+    mask, truncated = completion_mask_from_stops(ids, [3, 0])
+    assert mask.tolist() == [[1, 1, 1, 0, 0],
+                             [1, 1, 0, 0, 0],
+                             [1, 1, 1, 1, 1],
+                             [1, 0, 0, 0, 0],
+                             [1, 1, 1, 1, 1]]
+    assert truncated.tolist() == [False, False, True, False, False]
+    # one stop id only: row 1's first stop is now the 3 at position 2
+    mask, truncated = completion_mask_from_stops(ids, [3])
+    assert mask[1].tolist() == [1, 1, 1, 0, 0] and mask[4].tolist() == [1] * 5
+    assert truncated.tolist() == [False, False, True, False, True]
+
+
+class Scripted(torch.nn.Module):
+    """Wraps a model for sample(): decode step t of row r is forced to script[t][r] when >= 0; free
+    steps sample among word tokens only (specials and stop ids get `low`), so stops happen exactly
+    where the script puts them. Call 0 is the prefill (step 0 for the B prompts, left free)."""
+
+    def __init__(self, model, script, low=-1e4):
+        super().__init__()
+        self.model, self.config, self.script, self.calls, self.low = model, model.config, script, 0, low
+
+    def forward(self, **kw):
+        logits = self.model(**kw).logits[:, -1:].clone()  # (n, 1, V)
+        t, self.calls = self.calls, self.calls + 1
+        logits[:, :, :5] = self.low  # ids 0..4 are the specials
+        if t > 0:
+            for r, tok in enumerate(self.script[t]):
+                if tok >= 0:
+                    logits[r] = self.low
+                    logits[r, 0, tok] = 0.0
+        return SimpleNamespace(logits=logits)
+
+
+def test_sample_masks_with_pad_eq_eos_and_two_stop_ids(tiny_tok, tiny_model):
+    stop_ids = [ENDOFTEXT, EOS]  # pad == eos == stop_ids[1]; sample pads with stop_ids[0]
+    _, E, O = -1, EOS, ENDOFTEXT
+    script = [[_, _, _, _, _, _],   # step 0 (prefill): free
+              [_, O, _, _, _, _],   # row 1 stops at 1 on the second stop id
+              [E, _, _, _, _, _],   # row 0 stops at 2 on eos (== pad)
+              [_, _, _, _, E, _],   # row 4 stops at 3 ...
+              [_, _, _, _, O, _],   # ... and a later stop must change nothing
+              [_, _, _, E, _, _]]   # row 3 stops on the very last step; rows 2 and 5 never stop
+    r = sample(Scripted(tiny_model, script), tiny_tok, PROMPTS[:2], group_size=3, max_new_tokens=6,
+               stop_ids=stop_ids, generator=_gen())
+    assert r.completion_mask.tolist() == [[1, 1, 1, 0, 0, 0],
+                                          [1, 1, 0, 0, 0, 0],
+                                          [1, 1, 1, 1, 1, 1],
+                                          [1, 1, 1, 1, 1, 1],
+                                          [1, 1, 1, 1, 0, 0],
+                                          [1, 1, 1, 1, 1, 1]]
+    assert r.truncated.tolist() == [False, False, True, False, False, True]
+    assert r.completion_ids[0, 2] == EOS and r.completion_ids[1, 1] == ENDOFTEXT and r.completion_ids[3, 5] == EOS
+    assert (r.completion_ids[r.completion_mask == 0] == stop_ids[0]).all()  # pad after the stop
+    assert (r.sample_logp[r.completion_mask == 0] == 0).all()
+    # forced tokens have probability 1
+    assert r.sample_logp[0, 2].item() == pytest.approx(0.0, abs=1e-6)
+    # decoded text: words before the stop, stop token excluded
+    assert [len(t.split()) for t in r.completions] == [2, 1, 6, 5, 3, 6]
+    assert not any("<|" in t for t in r.completions)
+    # the attention mask used for teacher forcing covers the eos token although it equals pad
+    assert r.attention_mask[0, -6:].tolist() == [1, 1, 1, 0, 0, 0]
+
+
+def test_sample_logp_is_zero_after_the_stop_even_with_inf_logits(tiny_tok, tiny_model):
+    """A model may put -inf on tokens it never emits (here the pad id). Rows that are done keep
+    "sampling" the pad id, whose logp is then -inf, and `logp * mask` gives -inf * 0 = NaN, which
+    poisons any masked sum over sample_logp (e.g. a ratio against old log-probs)."""
+    _, E = -1, EOS
+    script = [[_, _, _, _], [E, _, _, _], [_, _, _, _]]
+    r = sample(Scripted(tiny_model, script, low=float("-inf")), tiny_tok, PROMPTS[:2], group_size=2,
+               max_new_tokens=3, stop_ids=[ENDOFTEXT, EOS], generator=_gen())
+    assert r.completion_mask[0].tolist() == [1, 1, 0]
+    assert torch.isfinite(r.sample_logp).all(), f"sample_logp after the stop: {r.sample_logp[0].tolist()}"
+
+
+def test_sample_stops_early_when_every_row_is_done(tiny_tok, tiny_model):
+    _, E = -1, EOS
+    script = [[_, _, _, _], [E, _, E, _], [_, E, _, _], [_, _, _, E], [_, _, _, _]]
+    r = sample(Scripted(tiny_model, script), tiny_tok, PROMPTS[:2], group_size=2, max_new_tokens=20,
+               stop_ids=[EOS], generator=_gen())
+    assert r.completion_ids.shape == (4, 4)  # the loop ended at the last stop, not at 20
+    assert r.completion_mask.sum(1).tolist() == [2, 3, 2, 4]
+    assert not r.truncated.any()
+
+
+# -----------------------------------------------------------------------------
+# log-probs: sampling time vs teacher forcing vs naive
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 1.0), (10, 0.9)])
+def test_sample_logp_matches_teacher_forced_with_left_padding(tiny_tok, tiny_model, top_k, top_p):
+    T = 0.7
+    r = sample(tiny_model, tiny_tok, PROMPTS, group_size=2, max_new_tokens=12, stop_ids=[EOS],
+               temperature=T, top_k=top_k, top_p=top_p, generator=_gen(1))
+    assert (r.prompt_mask == 0).any(), "the test needs left padding"
+    C, m = r.completion_ids.size(1), r.completion_mask.bool()
+    assert m.sum() >= 3 * C, "the test needs several valid tokens"
+    logp, _ = token_logprobs(tiny_model, r.input_ids, r.attention_mask, C, temperature=T)
+    torch.testing.assert_close(logp[m], r.sample_logp[m], atol=1e-4, rtol=0)
+    # the same check with the wrong temperature or ignoring the padding fails: the test has teeth
+    wrong_t, _ = token_logprobs(tiny_model, r.input_ids, r.attention_mask, C, temperature=1.0)
+    assert (wrong_t[m] - r.sample_logp[m]).abs().max() > 1e-2
+    padded = (r.prompt_mask == 0).any(1)  # (N,)
+    no_pad, _ = token_logprobs(tiny_model, r.input_ids, torch.ones_like(r.attention_mask), C, temperature=T)
+    assert (no_pad[padded] - r.sample_logp[padded])[m[padded]].abs().max() > 1e-3
+
+
+def test_token_logprobs_equals_naive_full_softmax(tiny_model):
+    ids, mask, cmask = _ragged_batch()
+    C, m, T = cmask.size(1), cmask.bool(), 0.7
+    with torch.no_grad():
+        naive_lp, naive_ent = _naive_logprobs(tiny_model, ids, mask, C, T)
+        for chunk in (4, 1024):  # 4 < N*C = 18, and not a divisor of it
+            logp, ent = token_logprobs(tiny_model, ids, mask, C, temperature=T, with_entropy=True, chunk_size=chunk)
+            assert logp.shape == ent.shape == (3, C) and not logp.requires_grad
+            torch.testing.assert_close(logp[m], naive_lp[m], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(ent[m], naive_ent[m], atol=1e-5, rtol=1e-5)
+    assert token_logprobs(tiny_model, ids, mask, C)[1] is None
+    assert naive_ent[m].min() > 0.1 and naive_ent[m].max() < torch.log(torch.tensor(len(VOCAB.keys()) * 1.0))
+
+
+def test_token_logprobs_gradient_equals_naive(tiny_model):
+    """Chunked + checkpointed head vs one full-vocab log_softmax: same gradient for every parameter."""
+    ids, mask, cmask = _ragged_batch()
+    C, T = cmask.size(1), 0.7
+    w = torch.randn(ids.size(0), C, generator=_gen(2)) * cmask  # (N, C) arbitrary per-token weights
+    params = [p for p in tiny_model.parameters()]
+    assert all(p.requires_grad for p in params)
+
+    def grads(logp, ent):
+        return torch.autograd.grad((w * logp).sum() + 0.1 * (w * ent).sum(), params)
+
+    logp, ent = token_logprobs(tiny_model, ids, mask, C, temperature=T, with_entropy=True, chunk_size=5)
+    assert logp.requires_grad
+    got = grads(logp, ent)
+    want = grads(*_naive_logprobs(tiny_model, ids, mask, C, T))
+    for (name, _), g, n in zip(tiny_model.named_parameters(), got, want):
+        assert torch.isfinite(g).all(), name
+        torch.testing.assert_close(g, n, atol=1e-5, rtol=1e-4, msg=name)
+    assert max(g.abs().max() for g in want) > 1e-2  # gradients are not trivially zero
+
+
+def test_reference_in_bf16_returns_fp32_on_out_device(tiny_model):
+    ids, mask, cmask = _ragged_batch()
+    C, m = cmask.size(1), cmask.bool()
+    ref = copy.deepcopy(tiny_model).to(torch.bfloat16).requires_grad_(False)
+    with torch.no_grad():
+        want, _ = token_logprobs(tiny_model, ids, mask, C)
+        got, ent = token_logprobs(ref, ids, mask, C, with_entropy=True, out_device=torch.device("cpu"))
+        meta, _ = token_logprobs(ref, ids, mask, C, out_device="meta")  # a device other than the input's
+    assert got.dtype == ent.dtype == torch.float32 and got.device.type == "cpu"
+    assert meta.device.type == "meta"
+    diff = (got[m] - want[m]).abs().max()
+    assert 0 < diff < 0.15, f"bf16 reference should differ from fp32 by bf16 rounding only, got {diff}"
+
+
+# -----------------------------------------------------------------------------
+# sampling
+
+def test_sample_seed_groups_and_prompt_rows(tiny_tok, tiny_model):
+    kw = dict(group_size=3, max_new_tokens=8, stop_ids=[EOS], temperature=1.0)
+    a = sample(tiny_model, tiny_tok, PROMPTS, generator=_gen(5), **kw)
+    b = sample(tiny_model, tiny_tok, PROMPTS, generator=_gen(5), **kw)
+    c = sample(tiny_model, tiny_tok, PROMPTS, generator=_gen(6), **kw)
+    assert torch.equal(a.completion_ids, b.completion_ids) and a.completions == b.completions
+    assert not torch.equal(a.completion_ids, c.completion_ids)
+    N, G = 9, 3
+    assert a.group.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    encoded = encode_prompts(tiny_tok, PROMPTS)
+    for i in range(N):
+        n = len(encoded[i // G])
+        assert a.prompt_mask[i].sum() == n and (a.prompt_mask[i, -n:] == 1).all()
+        assert a.prompt_ids[i, -n:].tolist() == encoded[i // G]
+    # rows of one group differ in what they sample (so G rows are not one row copied)
+    assert len({tuple(row) for row in a.completion_ids[:G].tolist()}) > 1
+
+
+def test_sample_runs_in_eval_mode_and_restores_the_mode(tiny_tok, tiny_model):
+    seen = []
+    tiny_model.model.register_forward_pre_hook(lambda mod, args: seen.append(mod.training))
+    for training in (True, False):
+        tiny_model.train(training)
+        sample(tiny_model, tiny_tok, PROMPTS[:1], group_size=2, max_new_tokens=3, stop_ids=[EOS], generator=_gen())
+        assert tiny_model.training is training
+    assert seen and not any(seen)
+
+
+def _naive_greedy(model, prompt_ids, steps, stop_ids):
+    """One prompt, no padding, no KV cache: recompute the full sequence at every step."""
+    ids = list(prompt_ids)
+    for _ in range(steps):
+        with torch.no_grad():
+            tok = model(input_ids=torch.tensor([ids])).logits[0, -1].argmax().item()
+        ids.append(tok)
+        if tok in stop_ids:
+            break
+    return ids[len(prompt_ids):]
+
+
+def test_greedy_matches_uncached_decode_and_top_k_1(tiny_tok, tiny_model):
+    kw = dict(group_size=2, max_new_tokens=10, stop_ids=[EOS])
+    greedy = sample(tiny_model, tiny_tok, PROMPTS, temperature=0, **kw)
+    top1 = sample(tiny_model, tiny_tok, PROMPTS, temperature=1.0, top_k=1, generator=_gen(3), **kw)
+    assert torch.equal(greedy.completion_ids, top1.completion_ids)
+    for i, p in enumerate(encode_prompts(tiny_tok, PROMPTS)):
+        want = _naive_greedy(tiny_model, p, 10, [EOS])
+        row = greedy.completion_ids[2 * i]
+        assert row[:len(want)].tolist() == want, f"prompt {i}"
+        assert torch.equal(row, greedy.completion_ids[2 * i + 1])
+    # temperature 0 reports the untempered (T=1) log-probs of the greedy tokens
+    C, m = greedy.completion_ids.size(1), greedy.completion_mask.bool()
+    logp, _ = token_logprobs(tiny_model, greedy.input_ids, greedy.attention_mask, C)
+    torch.testing.assert_close(logp[m], greedy.sample_logp[m], atol=1e-4, rtol=0)
+
+
+def test_filter_logits_top_p_and_top_k_by_hand():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    perm = torch.tensor([2, 0, 3, 1])  # a second row in shuffled order exercises the scatter back
+    logits = torch.stack([probs.log(), probs[perm].log()])  # (2, 4)
+    kept = lambda out: torch.isfinite(out).int().tolist()  # noqa: E731
+    assert kept(filter_logits(logits, top_p=0.7)) == [[1, 1, 0, 0], [0, 1, 0, 1]]
+    assert kept(filter_logits(logits, top_p=0.5)) == [[1, 0, 0, 0], [0, 1, 0, 0]]
+    assert kept(filter_logits(logits, top_p=0.9)) == [[1, 1, 1, 0], [1, 1, 0, 1]]
+    assert kept(filter_logits(logits, top_p=0.01)) == [[1, 0, 0, 0], [0, 1, 0, 0]]  # top token always stays
+    assert kept(filter_logits(logits, top_k=2)) == [[1, 1, 0, 0], [0, 1, 0, 1]]
+    assert kept(filter_logits(logits, top_k=3, top_p=0.7)) == [[1, 1, 0, 0], [0, 1, 0, 1]]
+    assert torch.equal(filter_logits(logits), logits)
+    out = filter_logits(logits, top_p=0.7)
+    assert torch.equal(out[torch.isfinite(out)], logits[torch.isfinite(out)])  # kept logits unchanged
+
+
+# -----------------------------------------------------------------------------
+# prompts
+
+def test_encode_prompts_with_and_without_chat_template():
+    v = VOCAB
+    B, S, E, user, system, asst = v["<bos>"], v["<|im_start|>"], v["<|im_end|>"], v["user"], v["system"], v["assistant"]
+    chat = make_tokenizer(chat_template=True)
+    msgs = [{"role": "system", "content": "w3"}, {"role": "user", "content": "w4 w5"}]
+    assert encode_prompts(chat, ["w1 w2", msgs]) == [
+        [B, S, user, v["w1"], v["w2"], E, S, asst],  # plain string -> one user message; one BOS only
+        [B, S, system, v["w3"], E, S, user, v["w4"], v["w5"], E, S, asst]]
+    raw = make_tokenizer(chat_template=False)
+    assert encode_prompts(raw, ["w1 w2", msgs]) == [[B, v["w1"], v["w2"]], [B, v["w3"], v["w4"], v["w5"]]]
+
+
+def test_left_pad_by_hand():
+    ids, mask = left_pad([[7, 8, 9], [5], [6, 6]], pad_id=3)
+    assert ids.tolist() == [[7, 8, 9], [3, 3, 5], [3, 6, 6]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1]]
+
+
+# -----------------------------------------------------------------------------
+# the real offline model
+
+@pytest.mark.real_model
+def test_real_model_sample_logp_matches_teacher_forced(real_model):
+    model, tok = real_model
+    prompts = ["What is 2 + 3?", "Name three colours of the rainbow, then explain in one sentence why the sky is blue."]
+    stop_ids, T = stop_token_ids(tok, model), 0.7
+    r = sample(model, tok, prompts, group_size=2, max_new_tokens=16, stop_ids=stop_ids, temperature=T,
+               generator=_gen(0))
+    assert (r.prompt_mask == 0).any(), "the test needs left padding"
+    C, m = r.completion_ids.size(1), r.completion_mask.bool()
+    logp, _ = token_logprobs(model, r.input_ids, r.attention_mask, C, temperature=T, chunk_size=16)
+    torch.testing.assert_close(logp[m], r.sample_logp[m], atol=1e-4, rtol=0)

@@ -1,0 +1,332 @@
+"""End-to-end tests of train.py on a toy task with a dense reward and a tiny Llama (tests/toy.py).
+
+Most runs are in-process (runpy, no interpreter start); resume runs in a fresh process and torchrun
+in two, as a user would run them. A user mistake must end in SystemExit with a one-line message:
+any other exception is the traceback the user would have seen.
+"""
+
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import toy  # noqa: E402
+from toy import REPO, TIMING, TOY_TRAIN, TRAIN, read_metrics, run_script, subprocess_env, train_args  # noqa: E402
+
+REQUIRED = {"reward", "reward_std", "reward/even", "reward/first", "frac_zero_std", "kl", "clip_low", "clip_high",
+            "clip", "entropy", "completion_len", "completion_len_max", "truncated", "grad_norm", "lr",
+            "t_generate", "t_reference", "t_train", "gen_tok_s", "max_dlogp", "loss"}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return toy.save_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def run4(model_dir, tmp_path_factory):
+    """4 steps, fp32, beta 0.04 (reference model), an entropy bonus, a checkpoint every 2 steps."""
+    out = str(tmp_path_factory.mktemp("run4"))
+    run_script(TRAIN, train_args(model_dir, out, "--entropy-coef", 0.01, "--save-every", 2, steps=4))
+    return out
+
+
+def initial_state(model_dir):
+    return LlamaForCausalLM.from_pretrained(model_dir).state_dict()
+
+
+def train_error(argv, capsys):
+    """Run train.py expecting a user error: (exit code, the last stderr line)."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_script(TRAIN, argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    return e.value.code, err.strip().splitlines()[-1]
+
+# -----------------------------------------------------------------------------
+# end to end
+
+
+def test_end_to_end_logs_every_metric_saves_and_trains(run4, model_dir):
+    rows = read_metrics(run4)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # one line per step
+    for r in rows:
+        assert not REQUIRED - set(r), f"missing metrics {sorted(REQUIRED - set(r))}"
+        assert all(math.isfinite(v) for v in r.values()), r
+        # the logged total is the weighted sum of the logged reward fns (weights even=1, first=0.5)
+        assert r["reward"] == pytest.approx(r["reward/even"] + 0.5 * r["reward/first"], abs=1e-5)
+        assert 0 <= r["frac_zero_std"] <= 1 and 0 <= r["truncated"] <= 1
+        assert 0 <= r["clip_low"] <= r["clip"] <= 1 and 0 <= r["clip_high"] <= r["clip"]
+        assert 1 <= r["completion_len"] <= r["completion_len_max"] <= 12
+        assert 0 < r["entropy"] <= math.log(len(toy.VOCAB)) + 1e-4  # nats, temperature 1
+        assert r["lr"] == pytest.approx(1e-3) and r["grad_norm"] > 0
+        assert min(r[k] for k in TIMING) > 0
+    assert rows[0]["kl"] < 1e-6 < rows[-1]["kl"]  # policy == reference until the first update
+    assert len({r["reward"] for r in rows}) > 1 and max(r["reward_std"] for r in rows) > 0
+
+    config = json.load(open(os.path.join(run4, "config.json")))
+    assert (config["task"], config["steps"], config["entropy_coef"], config["eps_high"]) == ("toy", 4, 0.01, 0.2)
+    ckpt = torch.load(os.path.join(run4, "ckpt.pt"), weights_only=False)
+    assert ckpt["step"] == 4 and ckpt["config"]["out_dir"] == run4 and len(ckpt["rng"]) == 1
+    assert not os.path.exists(os.path.join(run4, "ckpt.pt.tmp"))
+    init = initial_state(model_dir)
+    unchanged = [k for k, v in ckpt["model"].items() if torch.equal(v, init[k])]
+    assert not unchanged, f"parameters that never changed: {unchanged}"
+
+
+def test_max_dlogp_float32_is_tiny(run4):
+    """fp32 samples from the policy itself and the first pass is on-policy: the two log-probs agree."""
+    assert max(r["max_dlogp"] for r in read_metrics(run4)) < 1e-3
+
+
+def test_gradient_checkpointing_float32_samples_from_the_policy(model_dir, tmp_path):
+    """In fp32 the sampler is the policy, in train mode; with gradient checkpointing HF then drops the KV
+    cache (past_key_values=None) during sampling, so each token is sampled without its context."""
+    g = run_script(TRAIN, train_args(model_dir, str(tmp_path), "--gradient-checkpointing", steps=1))
+    assert g["sampler"] is g["policy"]
+    assert read_metrics(str(tmp_path))[0]["max_dlogp"] < 1e-3
+
+
+def test_bfloat16_sampler_is_a_synced_copy(model_dir, tmp_path):
+    g = run_script(TRAIN, train_args(model_dir, str(tmp_path), "--dtype", "bfloat16", steps=2))
+    policy, sampler = g["policy"], g["sampler"]
+    assert sampler is not policy and not sampler.training
+    assert {p.dtype for p in policy.parameters()} == {torch.float32}  # master weights
+    init = initial_state(model_dir)
+    for (name, s), q in zip(sampler.state_dict().items(), policy.state_dict().values()):
+        assert s.dtype == torch.bfloat16 and torch.equal(s, q.to(torch.bfloat16)), name
+        assert not torch.equal(q, init[name]), name
+    rows = read_metrics(str(tmp_path))
+    assert len(rows) == 2 and all(0 < r["max_dlogp"] < 1 for r in rows)  # bf16 rounding, not a wrong model
+
+
+def test_logged_lr_is_the_one_the_step_used(model_dir, tmp_path):
+    """Linear warmup over 3 optimizer steps: steps 1, 2 update with lr * 1/4, lr * 2/4."""
+    run_script(TRAIN, train_args(model_dir, str(tmp_path), "--warmup-steps", 3, steps=2))
+    assert [r["lr"] for r in read_metrics(str(tmp_path))] == pytest.approx([2.5e-4, 5e-4])
+
+
+def test_eval_rows_at_start_every_n_steps_and_end(model_dir, tmp_path):
+    run_script(TRAIN, train_args(model_dir, str(tmp_path), "--eval-every", 1, "--eval-n", 3, steps=2))
+    rows = read_metrics(str(tmp_path))
+    evals = [r for r in rows if "eval/strict_acc" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    assert all(r["eval/n_examples"] == 3 and 0 <= r["eval/format_rate"] <= 1 for r in evals)
+    assert [r["step"] for r in rows if "reward" in r] == [1, 2]
+
+# -----------------------------------------------------------------------------
+# checkpoints and resume
+
+
+@pytest.mark.slow
+def test_resume_in_a_fresh_process_is_exact(run4, model_dir, tmp_path):
+    """2 steps, then --resume DIR --steps 4 in a new process == the 4-step run, metrics and weights."""
+    out = str(tmp_path)
+    run_script(TRAIN, train_args(model_dir, out, "--entropy-coef", 0.01, "--save-every", 2, steps=2))
+    proc = subprocess.run([sys.executable, TOY_TRAIN, "--resume", out, "--steps", "4"], cwd=REPO,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows, want = read_metrics(out), read_metrics(run4)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for got, ref in zip(rows[2:], want[2:]):
+        for k in set(ref) - TIMING:
+            assert got[k] == pytest.approx(ref[k], rel=0, abs=1e-6), (got["step"], k)
+    a = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    b = torch.load(os.path.join(run4, "ckpt.pt"), weights_only=False)
+    assert a["step"] == b["step"] == 4
+    for k, v in b["model"].items():
+        assert torch.equal(a["model"][k], v), k
+    config = json.load(open(os.path.join(out, "config.json")))
+    assert config["steps"] == 4 and config["resume"] == out and config["entropy_coef"] == 0.01
+
+
+def test_resume_flags_on_top_of_the_checkpoint_config(run4, tmp_path):
+    """--eps-high defaults to --eps: a resumed run given only --eps must not keep the old eps_high."""
+    ckpt = torch.load(os.path.join(run4, "ckpt.pt"), weights_only=False)
+    torch.save(ckpt, tmp_path / "ckpt.pt")
+    g = run_script(TRAIN, ["--resume", tmp_path, "--eps", 0.3])  # step 4 of 4: nothing left to run
+    assert (g["args"].eps, g["eps_high"], g["args"].steps, g["start_step"]) == (0.3, 0.3, 4, 4)
+    assert g["args"].out_dir == str(tmp_path)
+
+
+class Killed(BaseException):
+    """What a SIGKILL mid-write looks like from the inside: nothing after it runs."""
+
+
+def test_a_kill_mid_save_keeps_the_last_good_checkpoint(model_dir, tmp_path, monkeypatch):
+    real_save, calls = torch.save, []
+
+    def save_then_die(obj, path, *a, **kw):
+        calls.append(str(path))
+        if len(calls) == 1:
+            return real_save(obj, path, *a, **kw)
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        with open(path, "wb") as f:
+            f.write(buf.getvalue()[:len(buf.getvalue()) // 2])  # half the bytes, then the kill
+        raise Killed
+
+    monkeypatch.setattr(torch, "save", save_then_die)
+    with pytest.raises(Killed):
+        run_script(TRAIN, train_args(model_dir, str(tmp_path), "--save-every", 1, steps=2))
+    monkeypatch.undo()
+    assert len(calls) == 2
+    ckpt = torch.load(os.path.join(tmp_path, "ckpt.pt"), weights_only=False)
+    assert ckpt["step"] == 1
+
+# -----------------------------------------------------------------------------
+# config files
+
+
+def test_config_file_sets_defaults_and_the_command_line_wins(model_dir, tmp_path):
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text(f"# lab notes\ngroup_size = 2  # small groups\nmax_new_tokens = 6\nlr = 5e-4\n"
+                   f"micro_batch = 2\nmodel = {model_dir!r}\n")
+    out = str(tmp_path / "out")
+    g = run_script(TRAIN, ["--config", cfg, "--task", "toy", "--out-dir", out, "--steps", 1, "--lr", 1e-3,
+                           "--micro-batch", 4, "--eval-n", 0, "--dtype", "float32", "--device", "cpu"])
+    a = g["args"]
+    assert (a.group_size, a.max_new_tokens, a.model) == (2, 6, model_dir)  # from the file
+    assert (a.lr, a.micro_batch) == (1e-3, 4)  # the command line over the file
+    assert json.load(open(os.path.join(out, "config.json")))["group_size"] == 2
+    assert read_metrics(out)[0]["completion_len_max"] <= 6
+
+
+def test_later_config_file_wins(model_dir, tmp_path):
+    (tmp_path / "base.py").write_text("max_new_tokens = 6\nlr = 5e-4\n")
+    (tmp_path / "ablation.py").write_text("max_new_tokens = 3\n")
+    argv = train_args(model_dir, str(tmp_path / "out"), steps=1)
+    for flag in ("--max-new-tokens", "--lr"):
+        i = argv.index(flag)
+        del argv[i:i + 2]
+    g = run_script(TRAIN, ["--config", tmp_path / "base.py", "--config", tmp_path / "ablation.py", *argv])
+    assert (g["args"].max_new_tokens, g["args"].lr) == (3, 5e-4)
+
+
+def test_save_every_zero_saves_nothing(model_dir, tmp_path):
+    run_script(TRAIN, train_args(model_dir, str(tmp_path), "--save-every", 0, steps=2))
+    assert len(read_metrics(str(tmp_path))) == 2 and not os.path.exists(os.path.join(tmp_path, "ckpt.pt"))
+
+
+@pytest.mark.parametrize("line, message", [
+    ("bogus_key = 1", "unknown key 'bogus_key'"),
+    ("lr = 1e-3 * 2", "the value of 'lr' must be a literal"),
+    ("lr = some_name", "the value of 'lr' must be a literal"),
+    ("import os", "only `name = value` lines"),
+    ("group_size = ", "cannot read config"),
+    # values for flags with choices must be checked too: argparse checks choices only on the command line
+    ("task = 'nope'", "task"),
+    ("loss_type = 'nope'", "loss_type"),
+], ids=["unknown-key", "expression", "name", "import", "syntax", "bad-task-choice", "bad-loss-type-choice"])
+def test_config_file_errors_are_one_line(model_dir, tmp_path, capsys, line, message):
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text(f"steps = 1\n{line}\n")
+    argv = train_args(model_dir, str(tmp_path / "out"), steps=1)
+    flag = "--" + line.split("=")[0].strip().replace("_", "-")
+    if flag in argv:  # leave the key to the file: the command line would win
+        i = argv.index(flag)
+        del argv[i:i + 2]
+    code, last = train_error(["--config", cfg, *argv], capsys)
+    assert code != 0 and "error:" in last and message in last, last
+
+# -----------------------------------------------------------------------------
+# user mistakes: a non-zero exit and a one-line message, never a traceback
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--task", "nope"], "invalid choice: 'nope'"),
+    (["--model", "{tmp}/no/such/model"], "smollm2-135m"),
+    (["--group-size", 1], "--group-size must be >= 2"),
+    (["--micro-batch", 3], "--micro-batch 3 must divide the 8 completions"),
+    (["--eps", 0.2, "--eps-high", 0.1], "--eps-high 0.1 < --eps 0.2"),
+    (["--loss-type", "nope"], "invalid choice: 'nope'"),
+    (["--resume", "{tmp}/missing"], "--resume"),
+    (["--resume", "{tmp}/corrupt"], "no readable checkpoint"),
+    (["--out-dir", "{tmp}/afile/sub"], "is not writable"),
+    (["--device", "cuda"], "device 'cuda' is not usable here"),
+    (["--reward-weights", "nope=1"], "--reward-weights: 'nope=1'"),
+    (["--top-entropy-quantile", 0], "--top-entropy-quantile must be in (0, 1]"),
+    (["--mu", 0], "--mu and --steps must be >= 1"),
+], ids=["task", "model", "group-size", "micro-batch", "eps-high", "loss-type", "resume-missing",
+        "resume-corrupt", "out-dir", "cuda", "reward-weights", "entropy-quantile", "mu"])
+def test_bad_input_is_a_one_line_error(model_dir, tmp_path, capsys, monkeypatch, extra, message):
+    if extra == ["--device", "cuda"] and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (tmp_path / "corrupt").mkdir()
+    (tmp_path / "corrupt" / "ckpt.pt").write_bytes(b"\x80\x02garbage, not a checkpoint" * 10)
+    (tmp_path / "afile").write_text("a regular file, not a directory")
+    extra = [str(x).replace("{tmp}", str(tmp_path)) for x in extra]
+    code, last = train_error(train_args(model_dir, str(tmp_path / "out"), steps=1) + extra, capsys)
+    assert code != 0 and "error:" in last and message in last, last
+
+# -----------------------------------------------------------------------------
+# objective variants: one step each
+
+
+@pytest.mark.parametrize("extra", [
+    ["--mu", 2], ["--beta", 0], ["--importance-level", "sequence"], ["--loss-type", "dapo"],
+    ["--loss-type", "dr_grpo"], ["--mask-truncated"], ["--top-entropy-quantile", 0.5],
+    ["--ref-sync-every", 1], ["--scale-rewards", "batch", "--delta", 2.0, "--eps-high", 0.28],
+], ids=lambda x: "".join(map(str, x)).lstrip("-"))
+def test_variant_runs_one_step(model_dir, tmp_path, extra):
+    g = run_script(TRAIN, train_args(model_dir, str(tmp_path), *extra, steps=1))
+    [row] = read_metrics(str(tmp_path))
+    assert all(math.isfinite(v) for v in row.values()), row
+    assert row["grad_norm"] > 0
+    if "--beta" in extra:  # no reference model is even loaded
+        assert g["ref"] is None and "kl" not in row and "entropy" not in row
+    else:
+        assert g["ref"] is not None and "kl" in row
+    if "--mu" in extra:  # the second pass is off-policy: old log-probs, ratios away from 1
+        assert g["old_logp"] is not None and (row["ratio_max"] > 1 or row["ratio_min"] < 1)
+    else:
+        assert g["old_logp"] is None
+    if "--top-entropy-quantile" in extra:
+        assert "entropy" in row
+    if "--ref-sync-every" in extra:  # alpha=1: the reference is reset to the policy and checkpointed
+        for r, q in zip(g["ref"].parameters(), g["policy"].parameters()):
+            assert torch.equal(r, q)
+        assert torch.load(os.path.join(tmp_path, "ckpt.pt"), weights_only=False)["ref"] is not None
+
+# -----------------------------------------------------------------------------
+# torchrun: two CPU processes (gloo)
+
+
+def torchrun(args, tmp_path, **env):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", TOY_TRAIN, *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, env={**subprocess_env(), **env}, capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_average_gradients(model_dir, tmp_path):
+    out, dump = str(tmp_path / "out"), str(tmp_path / "params")
+    proc = torchrun(train_args(model_dir, out, steps=2), tmp_path, TOY_DUMP_PARAMS=dump)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]  # rank 0 alone writes
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    assert ckpt["step"] == 2 and len(ckpt["rng"]) == 2  # each rank's RNG state, for an exact resume
+    p0, p1 = torch.load(dump + ".rank0.pt"), torch.load(dump + ".rank1.pt")
+    init = initial_state(model_dir)
+    for k, v in p0.items():  # each rank trained on its own prompt: equal only if gradients were averaged
+        assert torch.equal(v, p1[k]), k
+        assert not torch.equal(v, init[k]), k
+        assert torch.equal(v, ckpt["model"][k]), k
+
+
+@pytest.mark.slow
+def test_torchrun_prompts_not_divisible_by_ranks_fails_clearly(model_dir, tmp_path):
+    proc = torchrun(train_args(model_dir, str(tmp_path / "out"), "--prompts-per-step", 3, steps=1), tmp_path)
+    assert proc.returncode != 0
+    assert "--prompts-per-step 3 does not split over 2 ranks: use a multiple of 2" in proc.stderr
+    assert 'train.py", line' not in proc.stderr  # torchrun's own report may have one; train.py must not

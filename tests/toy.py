@@ -1,0 +1,147 @@
+"""A toy task and a tiny model for end-to-end tests of train.py and eval.py (no network, CPU, seconds).
+
+The real tasks give a tiny random model zero reward, hence zero advantages and zero gradients: a test
+of the loop would pass whatever the loop did. The toy task's reward is dense instead: a completion is
+a string of words w0..w39 and it earns the fraction of its words with an even index, so every group
+has spread and every step trains.
+"""
+
+import os
+
+import torch
+from tokenizers import Tokenizer, pre_tokenizers
+from tokenizers.models import WordLevel
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from tasks import Task
+
+SPECIALS = ["<|endoftext|>", "<bos>", "<|im_start|>", "<|im_end|>", "<unk>"]
+WORDS = [f"w{i}" for i in range(40)]
+VOCAB = {t: i for i, t in enumerate(SPECIALS + ["system", "user", "assistant"] + WORDS)}  # 48 tokens
+EOS, BOS = VOCAB["<|im_end|>"], VOCAB["<bos>"]
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+                 "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+
+
+def make_tokenizer():
+    """Whitespace word-level tokenizer, pad == eos (as SmolLM2), a ChatML-like template."""
+    tk = Tokenizer(WordLevel(VOCAB, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>", unk_token="<unk>",
+                                  additional_special_tokens=["<|endoftext|>", "<|im_start|>"])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def make_model(seed=0, init_std=0.1):
+    """2-layer Llama, hidden 32, tied embeddings; init_std above HF's 0.02 so outputs depend on the prompt."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, initializer_range=init_std,
+                      bos_token_id=BOS, eos_token_id=EOS, pad_token_id=EOS)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def save_tiny(path):
+    """Write the tiny model and tokenizer as an ordinary local HF folder; returns the path."""
+    make_model().save_pretrained(path)
+    make_tokenizer().save_pretrained(path)
+    return str(path)
+
+# -----------------------------------------------------------------------------
+# the toy task: "w3 w8" -> answer "even" / "odd" (the parity of the sum of the two indices)
+
+
+def _index(word):
+    return int(word[1:]) if word in VOCAB and word.startswith("w") else None
+
+
+def load(split, data_dir=None):
+    offset = 0 if split == "train" else 1
+    examples = []
+    for i in range(16):
+        a, b = (3 * i + offset) % 40, (7 * i + 2 * offset) % 40
+        examples.append({"question": f"w{a} w{b}", "answer": "even" if (a + b) % 2 == 0 else "odd"})
+    return examples
+
+
+def prompt(example):
+    return [{"role": "user", "content": example["question"]}]
+
+
+def frac_even(completions, **_):
+    """Dense reward: the fraction of a completion's words that are w<even>."""
+    out = []
+    for c in completions:
+        words = c.split()
+        out.append(sum(1 for w in words if _index(w) is not None and _index(w) % 2 == 0) / max(len(words), 1))
+    return out
+
+
+def first_parity(completions, answer, **_):
+    """1.0 where the first word's parity is the example's answer."""
+    return [float(score(c, {"answer": a})["strict"]) for c, a in zip(completions, answer)]
+
+
+def score(completion, example):
+    words = [w for w in completion.split() if _index(w) is not None]
+    parity = lambda w: "even" if _index(w) % 2 == 0 else "odd"
+    pred = parity(words[0]) if words else None
+    return {"pred": pred, "strict": pred == example["answer"],
+            "flexible": any(parity(w) == example["answer"] for w in words), "format": pred is not None}
+
+
+TASK = Task(load, prompt, {"even": frac_even, "first": first_parity}, {"even": 1.0, "first": 0.5}, score)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# -----------------------------------------------------------------------------
+# running train.py / eval.py in this process (fast: no interpreter start) or in a fresh one
+
+TRAIN, EVAL = os.path.join(REPO, "train.py"), os.path.join(REPO, "eval.py")
+TOY_TRAIN = os.path.join(REPO, "tests", "toy_train.py")
+TIMING = {"t_generate", "t_reference", "t_train", "t_step", "gen_tok_s"}  # the wall-clock metrics
+
+
+def run_script(path, argv):
+    """`python path argv...` in-process with the toy task registered; returns the script's globals.
+
+    A user mistake surfaces as SystemExit (argparse's p.error, or sys.exit); anything else is a
+    traceback a user would have seen. One thread, like the subprocess runs (OMP_NUM_THREADS=1).
+    """
+    import runpy
+    import sys
+    from tasks import TASKS
+    old_argv, threads, added = sys.argv, torch.get_num_threads(), "toy" not in TASKS
+    TASKS["toy"] = TASK
+    sys.argv = [os.path.basename(path), *map(str, argv)]
+    torch.set_num_threads(1)
+    try:
+        g = runpy.run_path(path, run_name="__main__")
+    finally:
+        sys.argv = old_argv
+        torch.set_num_threads(threads)
+        if added:
+            del TASKS["toy"]  # other tests check the registry holds exactly the real tasks
+    if g.get("log") is not None:
+        g["log"].close()
+    return g
+
+
+def train_args(model_dir, out_dir, *extra, steps=2):
+    """The tiny run: 2 prompts x G=4, micro-batch 4, 12 new tokens, fp32, no eval."""
+    return ["--task", "toy", "--model", model_dir, "--out-dir", out_dir, "--steps", steps, "--group-size", 4,
+            "--prompts-per-step", 2, "--micro-batch", 4, "--max-new-tokens", 12, "--eval-n", 0,
+            "--dtype", "float32", "--device", "cpu", "--lr", 1e-3, "--log-completions", 1, *extra]
+
+
+def subprocess_env():
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+def read_metrics(out_dir):
+    import json
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]

@@ -1,0 +1,23 @@
+"""train.py with the toy task registered: `python tests/toy_train.py --task toy ...`, also under torchrun.
+
+With TOY_DUMP_PARAMS=PREFIX set, each rank saves its final parameters to PREFIX.rank<R>.pt, so a test
+can check that the ranks of a multi-process run end with the same weights.
+"""
+
+import os
+import runpy
+import sys
+
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # the repo root
+
+import torch  # noqa: E402
+
+import toy  # noqa: E402
+from tasks import TASKS  # noqa: E402
+
+TASKS["toy"] = toy.TASK
+sys.argv[0] = os.path.join(toy.REPO, "train.py")
+g = runpy.run_path(sys.argv[0], run_name="__main__")
+if os.environ.get("TOY_DUMP_PARAMS"):
+    torch.save({k: v.detach().cpu().clone() for k, v in g["policy"].state_dict().items()},
+               f"{os.environ['TOY_DUMP_PARAMS']}.rank{g['rank']}.pt")
