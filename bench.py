@@ -124,12 +124,15 @@ if args.vs_trl:
     results["trl"] = run_side("trl")
 print("\n| side | step s | generate s | reference s | train s | gen tok/s | mean completion len | peak RSS GiB |")
 print("|---|---|---|---|---|---|---|---|")
+def fmt(x, spec=".1f"):
+    return "-" if x is None else format(x, spec)
+
+
 for name, (med, peak, _) in results.items():
     n_tok = med["completion_len"] * args.prompts_per_step * args.group_size
     g = med.get("t_generate")
-    print(f"| {name} | {med['t_step']:.1f} | {g and f'{g:.1f}' or '-'} | "
-          f"{med.get('t_reference') and f'{med['t_reference']:.1f}' or '-'} | {med.get('t_train') and f'{med['t_train']:.1f}' or '-'} | "
-          f"{g and f'{n_tok / g:.0f}' or '-'} | {med['completion_len']:.0f} | {peak:.2f} |")
+    print(f"| {name} | {fmt(med['t_step'])} | {fmt(g)} | {fmt(med.get('t_reference'))} | {fmt(med.get('t_train'))} | "
+          f"{fmt(g and n_tok / g, '.0f')} | {med['completion_len']:.0f} | {peak:.2f} |")
 if args.vs_trl:
     (o, po, _), (t, pt, _) = results["ours"], results["trl"]
     print(f"\nours / TRL: step time {o['t_step'] / t['t_step']:.2f}x, peak RSS {po / pt:.2f}x "

@@ -31,9 +31,10 @@ SYSTEM_PROMPT = ("Solve the problem step by step. Then give the final answer on 
                  "last line as: #### <number> (or \\boxed{<number>}).")
 ARITH_SYSTEM_PROMPT = "Answer the question. End with a final line: #### <number>"
 
-# arith default difficulty (one-digit sums)
+# arith default difficulty: one-digit +, -, *. SmolLM2-135M knows about half of these answers (flexible
+# 0.50, measured) but never writes the #### line (strict 0.00): GRPO can teach the format in minutes.
 ARITH_DIGITS = 1
-ARITH_OPS = "+"
+ARITH_OPS = "+-*"
 
 SPLITS = ("train", "test")
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
@@ -132,7 +133,9 @@ def gsm8k_prompt(example):
 
 ARITH_N_TEST = 200
 ARITH_N_TRAIN = 10_000
-ARITH_TEST_PERCENT = 20  # share of the problem space that is test-only
+# share of the problem space that is test-only. 80% so that the default space (255 problems) holds
+# >= 200 held-out ones; training sees the other ~51 and must generalise to the test set.
+ARITH_TEST_PERCENT = 80
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
@@ -148,7 +151,7 @@ def load_arith(split, data_dir=None, n=None, digits=ARITH_DIGITS, ops=ARITH_OPS,
     Operands have up to `digits` digits; `ops` is a string of operators from "+-*"; for "-" the
     first operand is >= the second, so answers are never negative. n defaults to 200 for test
     and 10,000 for train, and is capped at the size of the split: one-digit sums have only 100
-    problems, ~80 train and ~20 test (the train loop cycles over train). `seed` picks which
+    problems: 20 train and 80 test (the train loop cycles over train). `seed` picks which
     problems and their order; the train/test split itself does not depend on it.
     data_dir is ignored (nothing to read).
     """

@@ -177,6 +177,8 @@ if master:  # resolved values here; the checkpoint keeps the flags as given, for
         json.dump(resolved, f, indent=1)
 torch.manual_seed(args.seed + rank)
 autocast = torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32)
+# prefix reuse: a micro-batch of whole groups runs each prompt once (HF drops the KV cache under checkpointing)
+share = args.group_size if args.micro_batch % args.group_size == 0 and not args.gradient_checkpointing else 1
 
 # -----------------------------------------------------------------------------
 # models and data
@@ -296,17 +298,19 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     with torch.no_grad():
         for rows, ids, mask, c in micro_batches(r, args.micro_batch):
             if ref is not None:
-                ref_logp[rows, :c] = token_logprobs(ref, ids, mask, c, args.temperature, out_device=device)[0]
+                ref_logp[rows, :c] = token_logprobs(ref, ids, mask, c, args.temperature, out_device=device,
+                                                    group_size=share)[0]
             if old_logp is not None:
                 with autocast:
-                    old_logp[rows, :c] = token_logprobs(policy, ids, mask, c, args.temperature)[0]
+                    old_logp[rows, :c] = token_logprobs(policy, ids, mask, c, args.temperature, group_size=share)[0]
     t2 = time.time()
     # 4. mu optimizer steps on this batch, each accumulating gradients over micro-batches
     stats, need_entropy = {}, args.entropy_coef > 0 or args.top_entropy_quantile < 1
     for it in range(args.mu):
         for rows, ids, mask, c in micro_batches(r, args.micro_batch):
             with autocast:
-                logp, entropy = token_logprobs(policy, ids, mask, c, args.temperature, with_entropy=need_entropy)
+                logp, entropy = token_logprobs(policy, ids, mask, c, args.temperature, with_entropy=need_entropy,
+                                               group_size=share)
             m_mask = loss_mask[rows, :c]
             loss, metrics = grpo.grpo_loss(
                 logp, None if old_logp is None else old_logp[rows, :c], None if ref is None else ref_logp[rows, :c],

@@ -31,7 +31,7 @@ def make_rollout(G=4, n_prompts=2, P=7, C=9):
     N = G * n_prompts
     prompt_len = torch.tensor([7, 7, 7, 7, 4, 4, 4, 4])  # group 2 has 3 pad columns
     comp_len = torch.tensor([9, 3, 5, 1, 2, 6, 4, 2])  # includes the stop token
-    prompt_ids = torch.randint(1, V, (N, P), generator=g)
+    prompt_ids = torch.randint(1, V, (n_prompts, P), generator=g).repeat_interleave(G, 0)  # a group shares its prompt
     prompt_mask = (torch.arange(P)[None] >= P - prompt_len[:, None]).long()
     completion_ids = torch.randint(1, V, (N, C), generator=g)
     completion_mask = (torch.arange(C)[None] < comp_len[:, None]).long()
@@ -58,8 +58,8 @@ def naive_loss(policy, ref, r, adv, beta, eps, temperature):
     return ((per_token * m).sum(1) / m.sum(1)).mean()  # eq. 3: 1/G sum_i 1/|o_i| sum_t
 
 
-@pytest.mark.parametrize("micro", [2, 4, 8])
-def test_optimised_path_matches_naive(micro):
+@pytest.mark.parametrize("micro,share", [(2, False), (4, False), (8, False), (4, True), (8, True)])
+def test_optimised_path_matches_naive(micro, share):
     policy, ref = tiny_model(0), tiny_model(1)
     twin = copy.deepcopy(policy)
     r = make_rollout()
@@ -73,8 +73,9 @@ def test_optimised_path_matches_naive(micro):
     N = r.prompt_ids.size(0)
     for rows, ids, mask, c in micro_batches(r, micro):
         with torch.no_grad():
-            ref_logp = token_logprobs(ref, ids, mask, c, temp)[0]
-        logp, _ = token_logprobs(policy, ids, mask, c, temp, chunk_size=5)  # chunks smaller than a row
+            ref_logp = token_logprobs(ref, ids, mask, c, temp, group_size=4 if share else 1)[0]
+        # chunks smaller than a row; share: each group's prompt runs once, its KV cache repeated
+        logp, _ = token_logprobs(policy, ids, mask, c, temp, chunk_size=5, group_size=4 if share else 1)
         loss, _ = grpo.grpo_loss(logp, None, ref_logp, adv[rows], r.completion_mask[rows, :c], beta=beta,
                                  eps_low=eps, num_sequences=N, loss_type="grpo")
         loss.backward()
@@ -93,3 +94,14 @@ def test_micro_batches_trim_only_unused_columns():
     # group 2: 3 all-pad prompt columns dropped, longest completion 6
     assert got[1][1].shape == (4, 4 + 6) and got[1][3] == 6
     assert torch.equal(got[1][1], r.input_ids[4:, 3:7 + 6])
+
+
+def test_shared_prefix_handles_a_single_completion_column():
+    model, r = tiny_model(0), make_rollout()
+    rows = slice(4, 8)
+    ids = torch.cat([r.prompt_ids[rows], r.completion_ids[rows, :1]], 1)
+    mask = torch.cat([r.prompt_mask[rows], r.completion_mask[rows, :1]], 1)
+    with torch.no_grad():
+        plain = token_logprobs(model, ids, mask, 1)[0]
+        shared = token_logprobs(model, ids, mask, 1, group_size=4)[0]
+    torch.testing.assert_close(shared, plain, atol=1e-6, rtol=1e-5)

@@ -316,3 +316,14 @@ def test_real_model_sample_logp_matches_teacher_forced(real_model):
     C, m = r.completion_ids.size(1), r.completion_mask.bool()
     logp, _ = token_logprobs(model, r.input_ids, r.attention_mask, C, temperature=T, chunk_size=16)
     torch.testing.assert_close(logp[m], r.sample_logp[m], atol=1e-4, rtol=0)
+
+
+def test_sample_from_logits_follows_the_distribution_and_never_draws_removed_tokens():
+    from rollout import sample_from_logits
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.0, 0.05])
+    logits = probs.log().expand(20000, -1).contiguous()  # log 0 = -inf: removed tokens
+    tok = sample_from_logits(logits, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tok, minlength=6).double() / len(tok)
+    sigma = (probs.double() * (1 - probs.double()) / len(tok)).sqrt()
+    assert freq[1] == 0 and freq[4] == 0
+    assert ((freq - probs.double()).abs() <= 5 * sigma + 1e-12).all(), freq

@@ -108,10 +108,12 @@ def test_arith_train_and_test_disjoint_for_any_n_and_seed(digits, ops):
     assert test and train and not (test & train)
 
 
-def test_arith_one_digit_sums_cover_the_space():
+def test_arith_one_digit_space_is_covered_and_200_held_out():
     train, test = load_arith("train"), load_arith("test", n=1000)
     questions = [e["question"] for e in train + test]
-    assert len(questions) == len(set(questions)) == 100  # capped at the space, no repeats
+    # 100 sums + 55 non-negative differences + 100 products, capped at the space, no repeats
+    assert len(questions) == len(set(questions)) == 100 + 55 + 100
+    assert len(test) >= 200 and len(load_arith("test")) == 200  # issue 6: >= 200 held-out problems
     assert len(load_arith("test", n=5)) == 5
 
 
@@ -123,8 +125,8 @@ def test_arith_answers_are_right():
 
 
 def test_arith_defaults_and_bad_args():
-    assert (tasks.ARITH_DIGITS, tasks.ARITH_OPS) == (1, "+")
-    assert all("+" in e["question"] for e in load_arith("test"))
+    assert (tasks.ARITH_DIGITS, tasks.ARITH_OPS) == (1, "+-*")
+    assert {e["question"].split()[3] for e in load_arith("test")} == {"+", "-", "*"}
     with pytest.raises(ValueError, match="operator"):
         load_arith("train", ops="+/")
     with pytest.raises(ValueError, match="valid splits"):
