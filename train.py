@@ -17,7 +17,6 @@ Where the defaults depart from the paper (grpo.py's docstring lists the variants
 
 import argparse
 import ast
-import copy
 import json
 import math
 import os
@@ -149,6 +148,7 @@ try:
     ref_device = resolve_device(args.ref_device) if args.ref_device else device
     dtype = DTYPES[args.dtype]
     check_dtype(device, dtype)
+    check_dtype(ref_device, dtype)
 except ModelError as e:
     p.error(str(e))
 if ddp:
@@ -176,7 +176,9 @@ for item in (args.reward_weights.split(",") if args.reward_weights else []):
     weights[name] = float(w)
 try:
     os.makedirs(args.out_dir, exist_ok=True)
-    open(os.path.join(args.out_dir, ".write_test"), "w").close()
+    probe = os.path.join(args.out_dir, ".write_test")
+    open(probe, "w").close()
+    os.remove(probe)
 except OSError as e:
     p.error(f"--out-dir {args.out_dir} is not writable ({e.strerror}); pass another directory")
 if master:  # resolved values here; the checkpoint keeps the flags as given, for --resume
@@ -194,8 +196,8 @@ share = args.group_size if args.micro_batch % args.group_size == 0 and not args.
 try:
     tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, device, torch.float32)  # fp32 master weights
-    # sampling reads every weight once per token: a --dtype copy is much faster than autocast
-    sampler = policy if dtype == torch.float32 else copy.deepcopy(policy).to(dtype).eval().requires_grad_(False)
+    # sampling reads every weight once per token: a --dtype copy is faster than autocast (bench_rollout.py)
+    sampler = policy if dtype == torch.float32 else load_model(args.model, device, dtype, trainable=False)
     ref = load_model(args.ref_model or args.model, ref_device, dtype, trainable=False) if args.beta > 0 else None
     train_set = task.load("train", data_dir=args.data_dir)
     test_set = task.load("test", data_dir=args.data_dir)[:args.eval_n] if master and args.eval_n else []
@@ -238,11 +240,11 @@ def prompts_for_step(step):
     return [train_set[i] for i in order[start:start + local_prompts].tolist()]
 
 
-def all_mean(x):
-    """Mean over ranks of a float tensor (identity without torchrun)."""
+def all_reduce(x, op="mean"):
+    """Mean / max / min over ranks of a float tensor (identity without torchrun)."""
     if ddp:
-        dist.all_reduce(x)
-        x = x / world
+        dist.all_reduce(x, {"mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+        x = x / world if op == "mean" else x
     return x
 
 
@@ -291,15 +293,15 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     fields = {k: [ex[k] for ex in examples for _ in range(args.group_size)] for k in examples[0]}
     total, per_fn = combine_rewards(task.reward_fns, weights, r.completions, num_tokens=lengths.tolist(), **fields)
     rewards = torch.tensor(total, dtype=torch.float32, device=device)  # (N,)
+    all_rewards = rewards
     if ddp:
         everyone = [torch.empty_like(rewards) for _ in range(world)]
         dist.all_gather(everyone, rewards)
-        adv, frac_zero = grpo.group_advantages(torch.cat(everyone), args.group_size, args.scale_rewards)
-        adv = adv[rank * N:(rank + 1) * N]  # (N,)
-    else:
-        adv, frac_zero = grpo.group_advantages(rewards, args.group_size, args.scale_rewards)
+        all_rewards = torch.cat(everyone)  # (world*N,)
+    adv, frac_zero = grpo.group_advantages(all_rewards, args.group_size, args.scale_rewards)
+    adv = adv[rank * N:(rank + 1) * N]  # (N,) this rank's rows
     loss_mask = r.completion_mask * (~r.truncated).long()[:, None] if args.mask_truncated else r.completion_mask
-    num_tokens = all_mean(loss_mask.sum().float()).clamp(min=1)  # per-rank share of the global count (dapo)
+    num_tokens = all_reduce(loss_mask.sum().float()).clamp(min=1)  # per-rank share of the global count (dapo)
     C = r.completion_ids.size(1)
     # 3. reference (and old-policy) log-probs, no grad, micro-batched; old ones only when mu > 1
     ref_logp = torch.zeros(N, C, device=device) if ref is not None else None
@@ -314,11 +316,12 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
                     old_logp[rows, :c] = token_logprobs(policy, ids, mask, c, args.temperature, group_size=share)[0]
     t2 = time.time()
     # 4. mu optimizer steps on this batch, each accumulating gradients over micro-batches
-    stats, need_entropy = {}, args.entropy_coef > 0 or args.top_entropy_quantile < 1
+    stats, n_micro = {}, N // args.micro_batch
     for it in range(args.mu):
         for rows, ids, mask, c in micro_batches(r, args.micro_batch):
             with autocast:
-                logp, entropy = token_logprobs(policy, ids, mask, c, args.temperature, with_entropy=need_entropy,
+                # entropy is logged always; it only enters the loss with --entropy-coef / --top-entropy-quantile
+                logp, entropy = token_logprobs(policy, ids, mask, c, args.temperature, with_entropy=True,
                                                group_size=share)
             m_mask = loss_mask[rows, :c]
             loss, metrics = grpo.grpo_loss(
@@ -341,12 +344,13 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
                 q.grad is not None and q.grad.div_(world)
         scaler.unscale_(optimizer)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))
-        if torch.isfinite(grad_norm):
+        # fp16 overflows are the scaler's business (it skips and lowers the scale); anything else non-finite is ours
+        if torch.isfinite(sum(stats["loss"][-n_micro:])) and (scaler.is_enabled() or torch.isfinite(grad_norm)):
             scaler.step(optimizer)
             bad_steps = 0
-        else:  # skip the update: an overflow under fp16 or a real divergence
+        else:
             bad_steps += 1
-            tqdm.write(f"warning: step {step}: non-finite loss/grad norm, update skipped ({bad_steps} in a row)")
+            tqdm.write(f"warning: step {step + 1}: non-finite loss or gradient, update skipped ({bad_steps} in a row)")
             if bad_steps >= 5:
                 sys.exit("error: 5 non-finite updates in a row; lower --lr or use --dtype bfloat16/float32")
         scaler.update()
@@ -363,14 +367,16 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
                 s.copy_(args.ref_sync_alpha * q.to(s) + (1 - args.ref_sync_alpha) * s)
     t3 = time.time()
     # 5. metrics: per-rank values averaged over ranks, only rank 0 writes
-    row = {"loss": sum(stats.pop("loss")) / args.mu, "reward": rewards.mean(), "reward_std": rewards.std(),
+    row = {"loss": sum(stats.pop("loss")) / args.mu, "reward": all_rewards.mean(), "reward_std": all_rewards.std(),
            "frac_zero_std": frac_zero, "completion_len": lengths.float().mean(),
            "completion_len_max": lengths.max().float(), "truncated": r.truncated.float().mean(),
            "grad_norm": grad_norm, **{f"reward/{k}": torch.tensor(v).mean() for k, v in per_fn.items()}}
     for k, v in stats.items():
         row[k] = max(v) if k.endswith("_max") or k == "max_dlogp" else min(v) if k.endswith("_min") else sum(v) / len(v)
-    row = {k: all_mean(torch.as_tensor(v, dtype=torch.float32, device=device).detach()).item() for k, v in row.items()}
-    gen_tokens = all_mean(lengths.sum().float()).item() * world
+    op = lambda k: "max" if k.endswith("_max") or k == "max_dlogp" else "min" if k.endswith("_min") else "mean"
+    row = {k: all_reduce(torch.as_tensor(v, dtype=torch.float32, device=device).detach(), op(k)).item()
+           for k, v in row.items()}
+    gen_tokens = all_reduce(lengths.sum().float()).item() * world
     row.update(step=step + 1, lr=lr, t_generate=t1 - t0, t_reference=t2 - t1,
                t_train=t3 - t2, t_step=t3 - t0, gen_tok_s=gen_tokens / (t1 - t0))
     if master:

@@ -67,3 +67,10 @@ def real_model():
     tok = models.load_tokenizer("smollm2-135m")
     model = models.load_model("smollm2-135m", torch.device("cpu"), torch.float32, trainable=False)
     return model, tok
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    """A tiny HF model + tokenizer folder for runs of train.py / eval.py (tests/toy.py)."""
+    import toy
+    return toy.save_tiny(tmp_path_factory.mktemp("tiny"))

@@ -17,11 +17,6 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return toy.save_tiny(tmp_path_factory.mktemp("tiny"))
-
-
-@pytest.fixture(scope="module")
 def trained(model_dir, tmp_path_factory):
     """A 2-step train.py run dir (ckpt.pt inside)."""
     out = str(tmp_path_factory.mktemp("trained"))
