@@ -29,7 +29,9 @@ from rewards import (answers_match, correctness_reward, extract_answer, extract_
 
 SYSTEM_PROMPT = ("Solve the problem step by step. Then give the final answer on its own "
                  "last line as: #### <number> (or \\boxed{<number>}).")
-ARITH_SYSTEM_PROMPT = "Answer the question. End with a final line: #### <number>"
+# one worked example: without it SmolLM2-135M writes the #### line in ~2% of samples, with it ~11%
+ARITH_SYSTEM_PROMPT = ("Answer the question. End with a final line: #### <number>\n"
+                       "Example:\nWhat is 3 + 4?\n3 + 4 = 7\n#### 7")
 
 # arith default difficulty: one-digit +, -, *. SmolLM2-135M knows about half of these answers (flexible
 # 0.50, measured) but never writes the #### line (strict 0.00): GRPO can teach the format in minutes.
