@@ -176,7 +176,7 @@ for item in (args.reward_weights.split(",") if args.reward_weights else []):
     weights[name] = float(w)
 try:
     os.makedirs(args.out_dir, exist_ok=True)
-    probe = os.path.join(args.out_dir, ".write_test")
+    probe = os.path.join(args.out_dir, f".write_test.{rank}")  # one per rank: they run this at the same time
     open(probe, "w").close()
     os.remove(probe)
 except OSError as e:
