@@ -104,20 +104,20 @@ def load_config(path):
         tree = ast.parse(open(path).read(), path)
     except (OSError, SyntaxError) as e:
         p.error(f"cannot read config {path}: {e}")
-    cfg, known = {}, {a.dest for a in p._actions}
+    cfg, actions = {}, {a.dest: a for a in p._actions}
     for node in tree.body:
         if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
             p.error(f"{path}:{node.lineno}: only `name = value` lines are allowed")
         name = node.targets[0].id
-        if name not in known:
+        if name not in actions:
             p.error(f"{path}:{node.lineno}: unknown key '{name}'; keys are the flags with _ for -, e.g. group_size")
         try:
             cfg[name] = ast.literal_eval(node.value)
         except ValueError:
             p.error(f"{path}:{node.lineno}: the value of '{name}' must be a literal")
-        action = next(a for a in p._actions if a.dest == name)  # argparse checks choices on the command line only
-        if action.choices is not None and cfg[name] not in action.choices:
-            p.error(f"{path}:{node.lineno}: {name} = {cfg[name]!r}: choose from {sorted(action.choices)}")
+        choices = actions[name].choices  # argparse checks choices on the command line only
+        if choices is not None and cfg[name] not in choices:
+            p.error(f"{path}:{node.lineno}: {name} = {cfg[name]!r}: choose from {sorted(choices)}")
     return cfg
 
 
@@ -225,7 +225,7 @@ if ckpt is not None:
     generator.set_state(rng["generator"])
     start_step = ckpt["step"]
     if sampler is not policy:
-        sampler.load_state_dict(policy.state_dict())
+        sampler.load_state_dict(policy.state_dict())  # the sampling copy follows the resumed policy
     del ckpt
 
 
@@ -238,6 +238,13 @@ def prompts_for_step(step):
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.seed + epoch))
     start = k * args.prompts_per_step + rank * local_prompts
     return [train_set[i] for i in order[start:start + local_prompts].tolist()]
+
+
+@torch.no_grad()
+def blend_into(dst, src, alpha=1.0):
+    """dst <- alpha * src + (1 - alpha) * dst, parameter by parameter, across devices and dtypes."""
+    for d, s in zip(dst.parameters(), src.parameters()):
+        d.copy_(s if alpha == 1 else alpha * s.to(d) + (1 - alpha) * d)
 
 
 def all_reduce(x, op="mean"):
@@ -357,14 +364,10 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
         optimizer.zero_grad(set_to_none=True)
         lr = optimizer.param_groups[0]["lr"]  # the rate this update used; the scheduler now moves on
         scheduler.step()
-    if sampler is not policy:  # keep the sampling copy equal to the policy
-        with torch.no_grad():
-            for s, q in zip(sampler.parameters(), policy.parameters()):
-                s.copy_(q)
+    if sampler is not policy:
+        blend_into(sampler, policy)  # keep the sampling copy equal to the policy
     if ref is not None and args.ref_sync_every and (step + 1) % args.ref_sync_every == 0:
-        with torch.no_grad():  # iterative GRPO (DeepSeekMath §4.2) / TR-DPO-style soft update
-            for s, q in zip(ref.parameters(), policy.parameters()):
-                s.copy_(args.ref_sync_alpha * q.to(s) + (1 - args.ref_sync_alpha) * s)
+        blend_into(ref, policy, args.ref_sync_alpha)  # iterative GRPO (DeepSeekMath §4.2) / TR-DPO soft update
     t3 = time.time()
     # 5. metrics: per-rank values averaged over ranks, only rank 0 writes
     row = {"loss": sum(stats.pop("loss")) / args.mu, "reward": all_rewards.mean(), "reward_std": all_rewards.std(),
