@@ -34,6 +34,7 @@ p.add_argument("--beta", type=float, default=0.04)
 p.add_argument("--lr", type=float, default=1e-6)
 p.add_argument("--loss-type", default="grpo")
 p.add_argument("--dtype", default="bfloat16")
+p.add_argument("--gradient-checkpointing", action="store_true", help="on both sides (TRL's own default is on)")
 p.add_argument("--data-dir", default=None, help="GSM8K dir (else $GSM8K_DIR, else download)")
 p.add_argument("--vs-trl", action="store_true", help="also run TRL's GRPOTrainer and print the ratios")
 p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
@@ -48,7 +49,8 @@ def ours_child(out):
                 "--micro-batch", str(args.micro_batch), "--max-new-tokens", str(args.max_new_tokens),
                 "--temperature", "1.0", "--beta", str(args.beta), "--lr", str(args.lr), "--mu", "1",
                 "--loss-type", args.loss_type, "--dtype", args.dtype, "--eval-n", "0", "--save-every", "0",
-                "--log-completions", "0", "--out-dir", out] + (["--data-dir", args.data_dir] if args.data_dir else [])
+                "--log-completions", "0", "--out-dir", out] + \
+        (["--gradient-checkpointing"] if args.gradient_checkpointing else []) + (["--data-dir", args.data_dir] if args.data_dir else [])
     runpy.run_path(os.path.join(HERE, "train.py"), run_name="__main__")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return [{"t_step": r["t_step"], "t_generate": r["t_generate"], "t_reference": r["t_reference"],
@@ -87,6 +89,7 @@ def trl_child(out):
                      beta=args.beta, learning_rate=args.lr, num_iterations=1, loss_type=args.loss_type,
                      bf16=args.dtype == "bfloat16", use_cpu=not torch.cuda.is_available(), max_steps=args.steps,
                      logging_steps=1, report_to=[], save_strategy="no", seed=0, lr_scheduler_type="constant",
+                     gradient_checkpointing=args.gradient_checkpointing,
                      shuffle_dataset=False)
     timer = Timer()
     trainer = GRPOTrainer(model=resolve_model(args.model), reward_funcs=reward, args=cfg, train_dataset=data,

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
+
+import fast_decode
 
 
 @dataclass
@@ -129,9 +130,11 @@ def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, tem
     logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
                    use_cache=True, logits_to_keep=1).logits[:, -1]  # (B, V)
     G = group_size
-    cache.batch_repeat_interleave(G)
     ids, mask, logits = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), logits.repeat_interleave(G, 0)
     next_pos = pos[:, -1:].repeat_interleave(G, 0) + 1  # (N, 1)
+    lean = fast_decode.LeanDecoder(model, cache, G, mask, max_new_tokens) if fast_decode.supports(model) else None
+    if lean is None:
+        cache.batch_repeat_interleave(G)
     N = ids.size(0)
     stop = torch.as_tensor(stop_ids, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
@@ -149,9 +152,12 @@ def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, tem
         done |= torch.isin(tok, stop)
         if t == max_new_tokens - 1 or bool(done.all()):
             break
-        mask = torch.cat([mask, mask.new_ones(N, 1)], 1)  # (N, P+t+1)
-        logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                       past_key_values=cache, use_cache=True).logits[:, -1]  # (N, V)
+        if lean is not None:
+            logits = lean.step(tok, next_pos)  # (N, V)
+        else:
+            mask = torch.cat([mask, mask.new_ones(N, 1)], 1)  # (N, P+t+1)
+            logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
+                           past_key_values=cache, use_cache=True).logits[:, -1]  # (N, V)
         next_pos = next_pos + 1
     completion_ids = torch.stack(tokens, 1)  # (N, C)
     completion_mask, truncated = completion_mask_from_stops(completion_ids, stop_ids)
@@ -180,17 +186,70 @@ def micro_batches(r, size):
         yield slice(i, i + size), r.input_ids[i:i + size, lo:hi], mask[i:i + size, lo:hi], hi - P
 
 
-def _head_logprobs(lm_head, hidden, targets, temperature, with_entropy):
-    """hidden (n, H), targets (n,) -> log-probs (n,) and entropy (n,) of the tempered head."""
-    logits = lm_head(hidden).float()  # (n, V) fp32 for one chunk only
-    if temperature != 1.0:  # skipping it saves a full (n, V) pass forward and backward
-        logits = logits / temperature
-    logz = logits.logsumexp(-1)  # (n,)
-    logp = logits.gather(-1, targets[:, None]).squeeze(-1) - logz  # (n,)
-    if not with_entropy:
-        return logp, None
-    probs = (logits - logz[:, None]).exp()  # (n, V)
-    return logp, logz - (probs * logits).sum(-1)  # H = logZ - E_p[logit]
+class _HeadLogprobs(torch.autograd.Function):
+    """Log-prob of each target token (and the entropy) under the LM head, V-sized work in chunks.
+
+    hidden (n, H), weight (V, H), bias (V,) or None, targets (n,) -> logp (n,), entropy (n,) or None.
+    Nothing of size V is saved: backward recomputes each chunk's logits z and forms the gradient
+    of the logits directly, d logp_t / dz = onehot(t) - p and dH / dz = -p * (log p + H), then the
+    two matmuls. The matmuls run in `dtype` (the autocast dtype, else the weight's), the softmax
+    math in fp32, as autograd under autocast would do, with a fraction of the elementwise passes.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy, chunk_size, dtype):
+        ctx.set_materialize_grads(False)  # entropy that is only logged gets no gradient work
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        logps, logzs, ents = [], [], []
+        for i in range(0, hidden.size(0), chunk_size):
+            z = F.linear(hidden[i:i + chunk_size].to(dtype), w, b).float()  # (n_c, V)
+            if temperature != 1.0:
+                z = z / temperature
+            logz = z.logsumexp(-1)  # (n_c,)
+            logps.append(z.gather(-1, targets[i:i + chunk_size, None]).squeeze(-1) - logz)
+            logzs.append(logz)
+            if with_entropy:
+                ents.append(logz - (z - logz[:, None]).exp_().mul_(z).sum(-1))  # H = logZ - E_p[z]
+        logp, logz = torch.cat(logps), torch.cat(logzs)
+        ent = torch.cat(ents) if with_entropy else None
+        ctx.save_for_backward(hidden, weight, bias, targets, logz, ent)
+        ctx.cfg = temperature, chunk_size, dtype
+        return logp, ent
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, bias, targets, logz, ent = ctx.saved_tensors
+        temperature, chunk_size, dtype = ctx.cfg
+        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
+        g_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        g_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        g_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
+        for i in range(0, hidden.size(0), chunk_size):
+            c = slice(i, i + chunk_size)
+            h = hidden[c].to(dtype)
+            z = F.linear(h, w, b).float()  # (n_c, V) recomputed
+            if temperature != 1.0:
+                z = z / temperature
+            logp_all = z.sub_(logz[c, None])  # log p, in place of z
+            p = logp_all.exp()
+            if g_logp is not None:  # gz = dLoss / dz
+                gz = (p * -g_logp[c, None]).scatter_add_(-1, targets[c, None], g_logp[c, None])
+            else:
+                gz = torch.zeros_like(p)
+            if g_ent is not None:
+                gz -= p * (logp_all + ent[c, None]) * g_ent[c, None]
+            if temperature != 1.0:
+                gz = gz / temperature
+            gz = gz.to(dtype)
+            if g_hidden is not None:
+                g_hidden[c] = gz @ w
+            if g_weight is not None:
+                g_weight += (gz.t() @ h).float()
+            if g_bias is not None:
+                g_bias += gz.float().sum(0)
+        g_weight = None if g_weight is None else g_weight.to(weight.dtype)
+        g_bias = None if g_bias is None else g_bias.to(bias.dtype)
+        return g_hidden, g_weight, g_bias, None, None, None, None, None
 
 
 def _shared_prefix_hidden(decoder, ids, mask, pos, C, G):
@@ -208,13 +267,15 @@ def _shared_prefix_hidden(decoder, ids, mask, pos, C, G):
 
 
 def token_logprobs(model, input_ids, attention_mask, num_completion, temperature=1.0,
-                   with_entropy=False, chunk_size=1024, out_device=None, group_size=1):
+                   with_entropy=False, chunk_size=None, out_device=None, group_size=1):
     """Teacher-forced log-probs of the last `num_completion` tokens of each row.
 
     input_ids, attention_mask (N, P+C) -> logp (N, C) [and entropy (N, C)], on out_device.
     One forward of the decoder; the LM head runs only on the C completion positions and in
-    chunks of `chunk_size` tokens, so the (N, C, V) fp32 log-softmax never exists at once. With
-    grad enabled each chunk is checkpointed: backward recomputes its logits instead of storing them.
+    chunks of `chunk_size` tokens, so the (N, C, V) fp32 log-softmax never exists at once; backward
+    recomputes each chunk's logits instead of storing them (_HeadLogprobs). The default chunk keeps
+    a chunk's fp32 logits under 24 MiB on CPU: glibc then reuses freed memory, where bigger blocks are
+    mapped fresh each time and page-faulted in at ~2 us per 4 KiB, more than the math on them.
     group_size=G > 1: rows come in groups of G that share their prompt (as sample() makes them);
     each prompt is run once and its KV cache repeated G times, gradients flowing through it.
     Runs on the model's own device (a reference model may live on CPU); grad follows torch's mode.
@@ -236,15 +297,11 @@ def token_logprobs(model, input_ids, attention_mask, num_completion, temperature
     N, _, H = hidden.shape
     hidden, targets = hidden.reshape(N * C, H), targets.reshape(N * C)
     lm_head = model.get_output_embeddings()
-    logps, ents = [], []
-    for i in range(0, N * C, chunk_size):
-        args = (lm_head, hidden[i:i + chunk_size], targets[i:i + chunk_size], temperature, with_entropy)
-        if torch.is_grad_enabled():
-            lp, ent = checkpoint(_head_logprobs, *args, use_reentrant=False)
-        else:
-            lp, ent = _head_logprobs(*args)
-        logps.append(lp)
-        ents.append(ent)
-    logp = torch.cat(logps).view(N, C).to(out_device)  # (N, C)
-    entropy = torch.cat(ents).view(N, C).to(out_device) if with_entropy else None
+    if chunk_size is None:
+        chunk_size = max(16, (24 << 20) // (4 * lm_head.weight.size(0))) if device.type == "cpu" else 1024
+    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else lm_head.weight.dtype
+    logp, entropy = _HeadLogprobs.apply(hidden, lm_head.weight, lm_head.bias, targets, temperature, with_entropy,
+                                        chunk_size, dtype)
+    logp = logp.view(N, C).to(out_device)  # (N, C)
+    entropy = entropy.view(N, C).to(out_device) if with_entropy else None
     return logp, entropy

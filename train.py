@@ -188,8 +188,10 @@ if master:  # resolved values here; the checkpoint keeps the flags as given, for
         json.dump(resolved, f, indent=1)
 torch.manual_seed(args.seed + rank)
 autocast = torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32)
-# prefix reuse: a micro-batch of whole groups runs each prompt once (HF drops the KV cache under checkpointing)
-share = args.group_size if args.micro_batch % args.group_size == 0 and not args.gradient_checkpointing else 1
+# prefix reuse: rows of a micro-batch that share a prompt run it once, when micro-batches hold whole groups
+# or lie inside one (HF drops the KV cache under gradient checkpointing, so not then)
+G, mb = args.group_size, args.micro_batch
+share = 1 if args.gradient_checkpointing else G if mb % G == 0 else mb if G % mb == 0 else 1
 
 # -----------------------------------------------------------------------------
 # models and data

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from conftest import ENDOFTEXT, EOS, VOCAB, make_model, make_tokenizer
 from models import stop_token_ids
@@ -327,3 +328,46 @@ def test_sample_from_logits_follows_the_distribution_and_never_draws_removed_tok
     sigma = (probs.double() * (1 - probs.double()) / len(tok)).sqrt()
     assert freq[1] == 0 and freq[4] == 0
     assert ((freq - probs.double()).abs() <= 5 * sigma + 1e-12).all(), freq
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_head_logprobs_gradients_equal_autograd_with_bias_and_entropy(autocast):
+    """_HeadLogprobs (chunked, hand-written backward) vs autograd through F.linear + log_softmax."""
+    from rollout import _HeadLogprobs
+    g = _gen(7)
+    n, H, V, T = 11, 8, 37, 0.8
+    hidden = torch.randn(n, H, generator=g, requires_grad=True)
+    weight = (torch.randn(V, H, generator=g) * 0.5).requires_grad_()
+    bias = torch.randn(V, generator=g).requires_grad_()
+    targets = torch.randint(0, V, (n,), generator=g)
+    w_lp, w_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    dtype = torch.bfloat16 if autocast else torch.float32
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+
+    def grads(lp, ent):
+        return torch.autograd.grad((w_lp * lp).sum() + (w_ent * ent).sum(), [hidden, weight, bias],
+                                   retain_graph=True)
+
+    with ctx:
+        lp, ent = _HeadLogprobs.apply(hidden, weight, bias, targets, T, True, 4, dtype)  # 4 does not divide 11
+    got = grads(lp, ent)
+    with ctx:
+        z = F.linear(hidden, weight, bias).float() / T
+    logp_all = z.log_softmax(-1)
+    want_lp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    want_ent = -(logp_all.exp() * logp_all).sum(-1)
+    want = grads(want_lp, want_ent)
+    tol = dict(atol=2e-2, rtol=2e-2) if autocast else dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lp, want_lp, **tol)
+    torch.testing.assert_close(ent, want_ent, **tol)
+    for name, a, b in zip(["hidden", "weight", "bias"], got, want):
+        assert a.dtype == torch.float32, name
+        torch.testing.assert_close(a, b, **tol, msg=name)
+        assert b.abs().max() > 0.1, name  # not trivially zero
+    # logged-only entropy (no gradient through it) gives the log-prob gradient alone
+    with ctx:
+        lp, ent = _HeadLogprobs.apply(hidden, weight, bias, targets, T, True, 4, dtype)
+    only_lp = torch.autograd.grad((w_lp * lp).sum(), [hidden, weight, bias])
+    want_only = torch.autograd.grad((w_lp * want_lp).sum(), [hidden, weight, bias])
+    for a, b in zip(only_lp, want_only):
+        torch.testing.assert_close(a, b, **tol)
