@@ -207,7 +207,7 @@ except (ModelError, DataError) as e:
     p.error(str(e))
 stops = stop_token_ids(tokenizer, policy)
 if args.gradient_checkpointing:
-    policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 policy.train()
 params = [q for q in policy.parameters() if q.requires_grad]
 optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay)
