@@ -171,6 +171,13 @@ def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, tem
                    sample_logp=torch.stack(logps, 1).masked_fill(completion_mask == 0, 0.0))
 
 
+def shared_prompt_rows(group_size, micro_batch):
+    """Rows per prompt inside each micro-batch of G-row groups, for token_logprobs(group_size=...):
+    G when micro-batches hold whole groups, the micro-batch when it lies inside one group, else 1."""
+    G, mb = group_size, micro_batch
+    return G if mb % G == 0 else mb if G % mb == 0 else 1
+
+
 def micro_batches(r, size):
     """Yield (rows, input_ids, attention_mask, c) for each slice of `size` rows of a Rollout.
 

@@ -33,7 +33,7 @@ import grpo
 from eval import evaluate
 from models import DTYPES, ModelError, check_dtype, load_model, load_tokenizer, resolve_device, stop_token_ids
 from rewards import combine_rewards
-from rollout import micro_batches, sample, token_logprobs
+from rollout import micro_batches, sample, shared_prompt_rows, token_logprobs
 from tasks import TASKS, DataError
 
 # -----------------------------------------------------------------------------
@@ -188,10 +188,9 @@ if master:  # resolved values here; the checkpoint keeps the flags as given, for
         json.dump(resolved, f, indent=1)
 torch.manual_seed(args.seed + rank)
 autocast = torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32)
-# prefix reuse: rows of a micro-batch that share a prompt run it once, when micro-batches hold whole groups
-# or lie inside one (HF drops the KV cache under gradient checkpointing, so not then)
-G, mb = args.group_size, args.micro_batch
-share = 1 if args.gradient_checkpointing else G if mb % G == 0 else mb if G % mb == 0 else 1
+# prefix reuse: rows of a micro-batch that share a prompt run it once (HF drops the KV cache under
+# gradient checkpointing, so not then)
+share = 1 if args.gradient_checkpointing else shared_prompt_rows(args.group_size, args.micro_batch)
 
 # -----------------------------------------------------------------------------
 # models and data

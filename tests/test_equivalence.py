@@ -1,8 +1,8 @@
 """The optimised training path equals the straightforward one on a tiny model.
 
-Optimised (what train.py runs): micro-batches trimmed to their used columns, the LM head run only
-on completion positions in checkpointed chunks, grpo.grpo_loss per micro-batch, gradients
-accumulated. Straightforward: one full forward, full-vocabulary log_softmax, the GRPO loss of
+Optimised (what train.py runs): micro-batches trimmed to their used columns, each shared prompt run
+once, the LM head run only on completion positions in chunks with its hand-written backward,
+grpo.grpo_loss per micro-batch, gradients accumulated. Straightforward: one full forward, full-vocabulary log_softmax, the GRPO loss of
 DeepSeekMath eq. 3 written out here independently, one backward.
 """
 
@@ -13,7 +13,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import grpo
-from rollout import Rollout, micro_batches, token_logprobs
+from rollout import Rollout, micro_batches, shared_prompt_rows, token_logprobs
 
 V, PAD = 61, 0
 
@@ -58,7 +58,7 @@ def naive_loss(policy, ref, r, adv, beta, eps, temperature):
     return ((per_token * m).sum(1) / m.sum(1)).mean()  # eq. 3: 1/G sum_i 1/|o_i| sum_t
 
 
-@pytest.mark.parametrize("micro,share", [(2, False), (4, False), (8, False), (4, True), (8, True)])
+@pytest.mark.parametrize("micro,share", [(2, False), (4, False), (8, False), (2, True), (4, True), (8, True)])
 def test_optimised_path_matches_naive(micro, share):
     policy, ref = tiny_model(0), tiny_model(1)
     twin = copy.deepcopy(policy)
@@ -71,11 +71,13 @@ def test_optimised_path_matches_naive(micro, share):
 
     total = 0.0
     N = r.prompt_ids.size(0)
+    g = shared_prompt_rows(4, micro) if share else 1  # micro 2: half a group shares one prompt run
+    assert g == (1 if not share else 2 if micro == 2 else 4)
     for rows, ids, mask, c in micro_batches(r, micro):
         with torch.no_grad():
-            ref_logp = token_logprobs(ref, ids, mask, c, temp, group_size=4 if share else 1)[0]
-        # chunks smaller than a row; share: each group's prompt runs once, its KV cache repeated
-        logp, _ = token_logprobs(policy, ids, mask, c, temp, chunk_size=5, group_size=4 if share else 1)
+            ref_logp = token_logprobs(ref, ids, mask, c, temp, group_size=g)[0]
+        # chunks smaller than a row; share: each prompt runs once per micro-batch, its KV cache repeated
+        logp, _ = token_logprobs(policy, ids, mask, c, temp, chunk_size=5, group_size=g)
         loss, _ = grpo.grpo_loss(logp, None, ref_logp, adv[rows], r.completion_mask[rows, :c], beta=beta,
                                  eps_low=eps, num_sequences=N, loss_type="grpo")
         loss.backward()
@@ -105,3 +107,8 @@ def test_shared_prefix_handles_a_single_completion_column():
         plain = token_logprobs(model, ids, mask, 1)[0]
         shared = token_logprobs(model, ids, mask, 1, group_size=4)[0]
     torch.testing.assert_close(shared, plain, atol=1e-6, rtol=1e-5)
+
+
+def test_shared_prompt_rows_by_hand():
+    # whole groups per micro-batch, a micro-batch inside one group, and straddling (no reuse)
+    assert [shared_prompt_rows(8, mb) for mb in (16, 8, 4, 2, 1, 3, 12)] == [8, 8, 4, 2, 1, 1, 1]
