@@ -140,7 +140,9 @@ def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, tem
     done = torch.zeros(N, dtype=torch.bool, device=device)
     tokens, logps = [], []
     for t in range(max_new_tokens):
-        logits = logits.float() / (temperature if temperature > 0 else 1.0)  # (N, V)
+        logits = logits.float()  # (N, V)
+        if temperature > 0 and temperature != 1.0:
+            logits = logits / temperature
         logp = logits.log_softmax(-1)  # (N, V)
         if temperature > 0:
             tok = sample_from_logits(filter_logits(logits, top_k, top_p), generator)  # (N,)
