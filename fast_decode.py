@@ -83,20 +83,25 @@ class LeanDecoder:
         self.valid[..., c] = True
         valid = self.valid[..., :c + 1]  # (N, 1, 1, c+1)
 
-        def rotate(t):  # t (N, heads, D)
+        def rotate(t):  # t (N, heads, D): q and k heads together
             t1, t2 = t[..., :D // 2], t[..., D // 2:]
             return t * cos + torch.cat((-t2, t1), -1) * sin
 
         for i, lw in enumerate(self.layers):
-            qkv = _linear(lw["norm1"](x), lw["qkv"], lw["qkv_b"])  # (N, (H + 2 KV) D)
-            q = rotate(qkv[:, :H * D].view(N, H, D))
-            self.k[i, ..., c] = rotate(qkv[:, H * D:(H + KV) * D].view(N, KV, D))
+            qkv = _linear(self._norm(x, lw["norm1"]), lw["qkv"], lw["qkv_b"])  # (N, (H + 2 KV) D)
+            qk = rotate(qkv[:, :(H + KV) * D].view(N, H + KV, D))
+            q, self.k[i, ..., c] = qk[:, :H] * lw["scaling"], qk[:, H:]
             self.v[i, :, :, c] = qkv[:, (H + KV) * D:].view(N, KV, D)
-            scores = (q.view(N, KV, H // KV, D) @ self.k[i, ..., :c + 1]).float() * lw["scaling"]  # (N, KV, H/KV, c+1)
-            probs = scores.masked_fill(~valid, float("-inf")).softmax(-1).to(x.dtype)
+            scores = q.view(N, KV, H // KV, D) @ self.k[i, ..., :c + 1]  # (N, KV, H/KV, c+1)
+            probs = scores.masked_fill(~valid, float("-inf")).softmax(-1, dtype=torch.float32).to(x.dtype)
             attn = (probs @ self.v[i, :, :, :c + 1]).view(N, H * D)  # (N, H D)
             x = x + _linear(attn, lw["o"], lw["o_b"])
-            gate, up = _linear(lw["norm2"](x), lw["gate_up"], lw["gate_up_b"]).chunk(2, -1)
+            gate, up = _linear(self._norm(x, lw["norm2"]), lw["gate_up"], lw["gate_up_b"]).chunk(2, -1)
             x = x + _linear(F.silu(gate) * up, lw["down"], lw["down_b"])
         self.col += 1
-        return _linear(dec.norm(x), self.head, self.head_b)
+        return _linear(self._norm(x, dec.norm), self.head, self.head_b)
+
+    @staticmethod
+    def _norm(x, norm):
+        """The HF RMSNorm (fp32 statistics, weight applied in x's dtype) in one fused kernel."""
+        return norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=norm.variance_epsilon).to(x.dtype)
