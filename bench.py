@@ -50,7 +50,8 @@ def ours_child(out):
                 "--temperature", "1.0", "--beta", str(args.beta), "--lr", str(args.lr), "--mu", "1",
                 "--loss-type", args.loss_type, "--dtype", args.dtype, "--eval-n", "0", "--save-every", "0",
                 "--log-completions", "0", "--out-dir", out] + \
-        (["--gradient-checkpointing"] if args.gradient_checkpointing else []) + (["--data-dir", args.data_dir] if args.data_dir else [])
+        (["--gradient-checkpointing"] if args.gradient_checkpointing else []) + \
+        (["--data-dir", args.data_dir] if args.data_dir else [])
     runpy.run_path(os.path.join(HERE, "train.py"), run_name="__main__")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     return [{"t_step": r["t_step"], "t_generate": r["t_generate"], "t_reference": r["t_reference"],

@@ -5,8 +5,9 @@ Benchmark rollout.py on CPU with SmolLM2-135M and print markdown tables for the 
 
 1. Rollout tokens/s: 2 GSM8K test prompts (tasks.gsm8k_prompt) x G=8 = 16 completions x 128 new
    tokens, temperature 1, no top-k/top-p. (a) `rollout.sample` on bf16 weights (prefix reuse: each
-   prompt prefilled once), with the fast_decode step and, for comparison, with the HF forward; (b) HF `model.generate` on the same bf16 model (num_return_sequences=G,
-   so it prefills all 16 rows); (c) `rollout.sample` on fp32 weights under bf16 autocast. Every row
+   prompt prefilled once), with the fast_decode step and, for comparison, with the HF forward;
+   (b) HF `model.generate` on the same bf16 model (num_return_sequences=G, so it prefills all 16
+   rows); (c) `rollout.sample` on fp32 weights under bf16 autocast. Every row
    makes exactly 128 tokens: `sample` gets as its only stop id a special token that never occurs
    in these completions (checked), `generate` gets min_new_tokens = max_new_tokens. One short
    warm-up call per variant, then `--repeats` timed calls; the fastest is reported.

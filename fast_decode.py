@@ -5,7 +5,8 @@ rollout.sample() decodes one token for all N rows per step. Through the HF forwa
 small ops per layer plus a KV cache that grows by torch.cat. Here the KV cache is preallocated
 (keys stored transposed, so attention is two plain batched matmuls), q/k/v and gate/up are one
 matmul each, and on CPU the bf16 weights are packed once per rollout for oneDNN instead of on every
-call. The math is the HF forward's (tests compare logits); other architectures use the HF forward.
+call. The math is the HF forward's up to rounding (tests compare logits); other architectures use
+the HF forward.
 """
 
 import torch
@@ -56,7 +57,8 @@ class LeanDecoder:
                 qkv=_pack(_cat(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), N),
                 qkv_b=_cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias),
                 o=_pack(a.o_proj.weight, N), o_b=a.o_proj.bias,
-                gate_up=_pack(_cat(m.gate_proj.weight, m.up_proj.weight), N), gate_up_b=_cat(m.gate_proj.bias, m.up_proj.bias),
+                gate_up=_pack(_cat(m.gate_proj.weight, m.up_proj.weight), N),
+                gate_up_b=_cat(m.gate_proj.bias, m.up_proj.bias),
                 down=_pack(m.down_proj.weight, N), down_b=m.down_proj.bias,
                 norm1=layer.input_layernorm, norm2=layer.post_attention_layernorm, scaling=a.scaling))
         head = model.get_output_embeddings()

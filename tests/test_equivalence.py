@@ -2,8 +2,9 @@
 
 Optimised (what train.py runs): micro-batches trimmed to their used columns, each shared prompt run
 once, the LM head run only on completion positions in chunks with its hand-written backward,
-grpo.grpo_loss per micro-batch, gradients accumulated. Straightforward: one full forward, full-vocabulary log_softmax, the GRPO loss of
-DeepSeekMath eq. 3 written out here independently, one backward.
+grpo.grpo_loss per micro-batch, gradients accumulated. Straightforward: one full forward,
+full-vocabulary log_softmax, the GRPO loss of DeepSeekMath eq. 3 written out here independently,
+one backward.
 """
 
 import copy
