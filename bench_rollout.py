@@ -150,10 +150,12 @@ def ours(model, autocast=False, lean=True):
         supports = fast_decode.supports
         if not lean:  # every decode step through the HF forward and its DynamicCache
             fast_decode.supports = lambda m: False
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            r = sample(model, tok, prompts, G, new_tokens, [never], temperature=1.0,
-                       generator=torch.Generator().manual_seed(0))
-        fast_decode.supports = supports
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                r = sample(model, tok, prompts, G, new_tokens, [never], temperature=1.0,
+                           generator=torch.Generator().manual_seed(0))
+        finally:
+            fast_decode.supports = supports
         if new_tokens == T:
             assert r.completion_ids.shape == (N, T) and bool(r.truncated.all()), "a row stopped early"
         return r

@@ -109,7 +109,8 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
     """Sample `group_size` completions for each prompt with a KV cache; temperature 0 is greedy.
 
     Each prompt is prefilled once and its KV cache repeated G times (prefix reuse), then all
-    rows decode together until every row has produced a stop token or max_new_tokens is reached.
+    rows decode together until every row has produced a stop token or max_new_tokens is reached,
+    through fast_decode.LeanDecoder where it supports the model, else the model's own forward.
     """
     was_training = model.training
     model.eval()  # no dropout, and HF drops the KV cache in train mode under gradient checkpointing
