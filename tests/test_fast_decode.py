@@ -24,7 +24,7 @@ def tiny(kind, dtype=torch.float32, seed=0):
                                              rope_scaling={"rope_type": "linear", "factor": 2.0}))
     else:
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True))
-    for p in model.parameters():  # HF zero-inits biases: make them matter
+    for p in model.parameters():  # HF inits biases to 0 and norms to 1: randomise both so they matter
         if p.dim() == 1:
             p.data.normal_(0, 0.3)
     return model.to(dtype).eval()
