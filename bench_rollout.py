@@ -5,7 +5,7 @@ Benchmark rollout.py on CPU with SmolLM2-135M and print markdown tables for the 
 
 1. Rollout tokens/s: 2 GSM8K test prompts (tasks.gsm8k_prompt) x G=8 = 16 completions x 128 new
    tokens, temperature 1, no top-k/top-p. (a) `rollout.sample` on bf16 weights (prefix reuse: each
-   prompt prefilled once), with the fast_decode step and, for comparison, with the HF forward;
+   prompt prefilled once), with the lean step and, for comparison, with the HF forward;
    (b) HF `model.generate` on the same bf16 model (num_return_sequences=G, so it prefills all 16
    rows); (c) `rollout.sample` on fp32 weights under bf16 autocast. Every row
    makes exactly 128 tokens: `sample` gets as its only stop id a special token that never occurs
@@ -34,7 +34,7 @@ import time
 import torch
 import transformers
 
-import fast_decode
+import lean
 import models
 from rollout import encode_prompts, left_pad, sample, token_logprobs
 
@@ -147,15 +147,15 @@ def timed(fn, repeats):
 
 def ours(model, autocast=False, lean=True):
     def run(new_tokens):
-        supports = fast_decode.supports
+        supports = lean.supports
         if not lean:  # every decode step through the HF forward and its DynamicCache
-            fast_decode.supports = lambda m: False
+            lean.supports = lambda m: False
         try:
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                 r = sample(model, tok, prompts, G, new_tokens, [never], temperature=1.0,
                            generator=torch.Generator().manual_seed(0))
         finally:
-            fast_decode.supports = supports
+            lean.supports = supports
         if new_tokens == T:
             assert r.completion_ids.shape == (N, T) and bool(r.truncated.all()), "a row stopped early"
         return r
@@ -179,7 +179,7 @@ def hf(model):
 
 rows = []
 bf16 = models.load_model(args.model, CPU, torch.bfloat16, trainable=False)
-for name, fn in [("`rollout.sample`, bf16 weights (`fast_decode` step)", ours(bf16)),
+for name, fn in [("`rollout.sample`, bf16 weights (`lean` step)", ours(bf16)),
                  ("`rollout.sample`, bf16 weights, HF forward per step", ours(bf16, lean=False)),
                  ("HF `generate`, bf16 weights", hf(bf16))]:
     sec, _ = timed(fn, args.repeats)

@@ -25,8 +25,9 @@ from tasks import TASKS, DataError
 
 @torch.no_grad()
 def evaluate(model, tokenizer, task, examples, max_new_tokens=256, batch_size=32, n=1, temperature=1.0,
-             seed=0, progress=True):
+             seed=0, progress=True, dtype=None):
     """Score `examples`; n=1 is greedy, n>1 samples n completions each (pass@n and mean@n).
+    dtype: the compute dtype of sampling (rollout.sample), default the weights'.
 
     Returns (summary dict, one record per example).
     """
@@ -38,7 +39,7 @@ def evaluate(model, tokenizer, task, examples, max_new_tokens=256, batch_size=32
     for i in tqdm(range(0, len(examples), per_batch), desc="eval", disable=not progress, leave=False):
         batch = examples[i:i + per_batch]
         r = sample(model, tokenizer, [task.prompt(ex) for ex in batch], n, max_new_tokens, stops,
-                   temperature=temperature if n > 1 else 0.0, generator=generator)
+                   temperature=temperature if n > 1 else 0.0, generator=generator, dtype=dtype)
         for j, ex in enumerate(batch):
             outs = r.completions[j * n:(j + 1) * n]
             scores = [task.score(c, ex) for c in outs]

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-import fast_decode
+import lean
 
 
 @dataclass
@@ -105,23 +105,29 @@ def sample_from_logits(logits, generator=None):
 
 @torch.no_grad()
 def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature=1.0,
-           top_p=1.0, top_k=0, generator=None):
+           top_p=1.0, top_k=0, generator=None, dtype=None):
     """Sample `group_size` completions for each prompt with a KV cache; temperature 0 is greedy.
 
     Each prompt is prefilled once and its KV cache repeated G times (prefix reuse), then all
     rows decode together until every row has produced a stop token or max_new_tokens is reached,
-    through fast_decode.LeanDecoder where it supports the model, else the model's own forward.
+    through lean.LeanDecoder where it supports the model, else the model's own forward.
+    dtype: the compute dtype (default: the weights'). A lower one than the weights' runs the prefill
+    under autocast and the lean decode step on weights cast once per rollout (the HF forward on
+    other models decodes under autocast: slower than weights stored in that dtype).
     """
     was_training = model.training
     model.eval()  # no dropout, and HF drops the KV cache in train mode under gradient checkpointing
     try:
-        return _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature, top_p, top_k,
-                       generator)
+        dtype = dtype or next(model.parameters()).dtype
+        with torch.autocast(next(model.parameters()).device.type, dtype=dtype, enabled=dtype != torch.float32):
+            return _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature, top_p,
+                           top_k, generator, dtype)
     finally:
         model.train(was_training)
 
 
-def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature, top_p, top_k, generator):
+def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature, top_p, top_k, generator,
+            dtype):
     device = next(model.parameters()).device
     pad_id = stop_ids[0]  # any id works: padding is masked everywhere
     ids, mask = left_pad(encode_prompts(tokenizer, prompts), pad_id)  # (B, P)
@@ -133,8 +139,8 @@ def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, tem
     G = group_size
     ids, mask, logits = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), logits.repeat_interleave(G, 0)
     next_pos = pos[:, -1:].repeat_interleave(G, 0) + 1  # (N, 1)
-    lean = fast_decode.LeanDecoder(model, cache, G, mask, max_new_tokens) if fast_decode.supports(model) else None
-    if lean is None:
+    decoder = lean.LeanDecoder(model, cache, G, mask, max_new_tokens, dtype) if lean.supports(model) else None
+    if decoder is None:
         cache.batch_repeat_interleave(G)
     N = ids.size(0)
     stop = torch.as_tensor(stop_ids, device=device)
@@ -155,8 +161,8 @@ def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, tem
         done |= torch.isin(tok, stop)
         if t == max_new_tokens - 1 or bool(done.all()):
             break
-        if lean is not None:
-            logits = lean.step(tok, next_pos)  # (N, V)
+        if decoder is not None:
+            logits = decoder.step(tok, next_pos)  # (N, V)
         else:
             mask = torch.cat([mask, mask.new_ones(N, 1)], 1)  # (N, P+t+1)
             logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
@@ -232,12 +238,13 @@ class _HeadLogprobs(torch.autograd.Function):
         temperature, chunk_size, dtype = ctx.cfg
         w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
         g_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        g_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
-        g_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None and ctx.needs_input_grad[2] else None
+        need_w = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
+        # dLoss/dz of all chunks, for one weight-gradient matmul at the end: a (V, H) product per
+        # chunk would allocate (and page-fault in) the size of the weight every time
+        gz_all = hidden.new_empty(hidden.size(0), weight.size(0), dtype=dtype) if need_w else None
         for i in range(0, hidden.size(0), chunk_size):
             c = slice(i, i + chunk_size)
-            h = hidden[c].to(dtype)
-            z = F.linear(h, w, b).float()  # (n_c, V) recomputed
+            z = F.linear(hidden[c].to(dtype), w, b).float()  # (n_c, V) recomputed
             if temperature != 1.0:
                 z = z / temperature
             logp_all = z.sub_(logz[c, None])  # log p, in place of z
@@ -253,12 +260,15 @@ class _HeadLogprobs(torch.autograd.Function):
             gz = gz.to(dtype)
             if g_hidden is not None:
                 g_hidden[c] = gz @ w
-            if g_weight is not None:
-                g_weight += (gz.t() @ h).float()
-            if g_bias is not None:
-                g_bias += gz.float().sum(0)
-        g_weight = None if g_weight is None else g_weight.to(weight.dtype)
-        g_bias = None if g_bias is None else g_bias.to(bias.dtype)
+            if gz_all is not None:
+                gz_all[c] = gz
+        g_weight = g_bias = None
+        if bias is not None and ctx.needs_input_grad[2]:
+            g_bias = gz_all.float().sum(0).to(bias.dtype)
+        if ctx.needs_input_grad[1]:
+            g_weight = gz_all.t() @ hidden.to(dtype)
+            del gz_all  # before the fp32 copy of g_weight is made
+            g_weight = g_weight.to(weight.dtype)
         return g_hidden, g_weight, g_bias, None, None, None, None, None
 
 
@@ -281,13 +291,15 @@ def token_logprobs(model, input_ids, attention_mask, num_completion, temperature
     """Teacher-forced log-probs of the last `num_completion` tokens of each row.
 
     input_ids, attention_mask (N, P+C) -> logp (N, C) [and entropy (N, C)], on out_device.
-    One forward of the decoder; the LM head runs only on the C completion positions and in
+    One forward of the decoder (lean.hidden_states where it supports the model, else HF's); the LM
+    head runs only on the C completion positions and in
     chunks of `chunk_size` tokens, so the (N, C, V) fp32 log-softmax never exists at once; backward
     recomputes each chunk's logits instead of storing them (_HeadLogprobs). The default chunk keeps
     a chunk's fp32 logits under 24 MiB on CPU: glibc then reuses freed memory, where bigger blocks are
     mapped fresh each time and page-faulted in at ~2 us per 4 KiB, more than the math on them.
     group_size=G > 1: rows come in groups of G that share their prompt (as sample() makes them);
-    each prompt is run once and its KV cache repeated G times, gradients flowing through it.
+    each prompt is run once and its keys/values repeated G times, gradients flowing through them
+    (not through HF's forward under gradient checkpointing, which then drops the KV cache).
     Runs on the model's own device (a reference model may live on CPU); grad follows torch's mode.
     """
     cfg = model.config
@@ -298,7 +310,9 @@ def token_logprobs(model, input_ids, attention_mask, num_completion, temperature
     ids, mask = input_ids.to(device), attention_mask.to(device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (N, P+C) same positions as during sampling
     C = num_completion
-    if group_size > 1:
+    if lean.supports(model):
+        hidden = lean.hidden_states(model, ids, mask, C, group_size)  # (N, C, H)
+    elif group_size > 1 and not (model.training and model.is_activation_checkpointing):  # HF drops the cache then
         hidden = _shared_prefix_hidden(model.get_decoder(), ids, mask, pos, C, group_size)  # (N, C, H)
     else:
         hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state

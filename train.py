@@ -30,6 +30,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import grpo
+import lean
 from eval import evaluate
 from models import DTYPES, ModelError, check_dtype, load_model, load_tokenizer, resolve_device, stop_token_ids
 from rewards import combine_rewards
@@ -188,16 +189,17 @@ if master:  # resolved values here; the checkpoint keeps the flags as given, for
         json.dump(resolved, f, indent=1)
 torch.manual_seed(args.seed + rank)
 autocast = torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32)
-# prefix reuse: rows sharing a prompt run it once (not under checkpointing: HF then drops the KV cache)
-share = 1 if args.gradient_checkpointing else shared_prompt_rows(args.group_size, args.micro_batch)
+share = shared_prompt_rows(args.group_size, args.micro_batch)  # prefix reuse: rows sharing a prompt run it once
 
 # -----------------------------------------------------------------------------
 # models and data
 try:
     tokenizer = load_tokenizer(args.model)
     policy = load_model(args.model, device, torch.float32)  # fp32 master weights
-    # sampling reads every weight once per token: a --dtype copy is faster than autocast (bench_rollout.py)
-    sampler = policy if dtype == torch.float32 else load_model(args.model, device, dtype, trainable=False)
+    # sampling reads every weight once per token, in --dtype: the lean decoder casts the policy's weights once
+    # per rollout; other models sample from a --dtype copy, faster than autocast (bench_rollout.py)
+    sampler = policy if dtype == torch.float32 or lean.supports(policy) else \
+        load_model(args.model, device, dtype, trainable=False)
     ref = load_model(args.ref_model or args.model, ref_device, dtype, trainable=False) if args.beta > 0 else None
     train_set = task.load("train", data_dir=args.data_dir)
     test_set = task.load("test", data_dir=args.data_dir)[:args.eval_n] if master and args.eval_n else []
@@ -274,7 +276,7 @@ def save_checkpoint(step):
 
 def run_eval(step, log):
     if master and test_set:
-        summary, _ = evaluate(sampler, tokenizer, task, test_set, args.max_new_tokens, progress=False)
+        summary, _ = evaluate(sampler, tokenizer, task, test_set, args.max_new_tokens, progress=False, dtype=dtype)
         print(f"eval step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in summary.items()))
         log.write(json.dumps({"step": step, **{f"eval/{k}": v for k, v in summary.items()}}) + "\n")
 
@@ -294,7 +296,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     # 1. rollout: G completions per prompt, groups contiguous
     examples = prompts_for_step(step)
     r = sample(sampler, tokenizer, [task.prompt(ex) for ex in examples], args.group_size, args.max_new_tokens,
-               stops, args.temperature, args.top_p, args.top_k, generator)
+               stops, args.temperature, args.top_p, args.top_k, generator, dtype)
     lengths = r.completion_mask.sum(1)  # (N,)
     t1 = time.time()
     # 2. rewards -> advantages (groups never span ranks; "batch" scale gathers the whole batch)

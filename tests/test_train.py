@@ -90,7 +90,25 @@ def test_gradient_checkpointing_float32_samples_from_the_policy(model_dir, tmp_p
     assert read_metrics(str(tmp_path))[0]["max_dlogp"] < 1e-3
 
 
-def test_bfloat16_sampler_is_a_synced_copy(model_dir, tmp_path):
+def test_bfloat16_sampling_from_the_policy_on_lean_models(model_dir, tmp_path, monkeypatch):
+    """Llama: no second copy; the lean decoder casts the fp32 policy's weights to bf16 per rollout."""
+    import lean
+    dtypes, init = [], lean.LeanDecoder.__init__
+
+    def record(self, *a, **kw):
+        init(self, *a, **kw)
+        dtypes.append((self.dtype, self.k.dtype, self.layers[0]["o"][0].dtype))
+    monkeypatch.setattr(lean.LeanDecoder, "__init__", record)
+    g = run_script(TRAIN, train_args(model_dir, str(tmp_path), "--dtype", "bfloat16", steps=2))
+    assert g["sampler"] is g["policy"] and {p.dtype for p in g["policy"].parameters()} == {torch.float32}
+    assert dtypes == [(torch.bfloat16,) * 3] * 2  # one rollout a step
+    rows = read_metrics(str(tmp_path))
+    assert len(rows) == 2 and all(0 < r["max_dlogp"] < 1 for r in rows)  # bf16 rounding, not a wrong model
+
+
+def test_bfloat16_sampler_is_a_synced_copy_on_other_models(model_dir, tmp_path, monkeypatch):
+    import lean
+    monkeypatch.setattr(lean, "supports", lambda m: False)  # as for a model lean.py does not know
     g = run_script(TRAIN, train_args(model_dir, str(tmp_path), "--dtype", "bfloat16", steps=2))
     policy, sampler = g["policy"], g["sampler"]
     assert sampler is not policy and not sampler.training
