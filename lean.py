@@ -133,8 +133,8 @@ def _layer(layer, x, cos, sin, masks, B, P, G, dtype):
         vc = torch.cat([vp.repeat_interleave(G, 0), heads(v[n:], N)], 2)
         out.append(F.scaled_dot_product_attention(heads(q[n:], N), kc, vc, attn_mask=masks[1], scale=a.scaling,
                                                   enable_gqa=True))
-    attn = torch.cat([o.transpose(1, 2).reshape(-1, H * D) for o in out])  # (T, H D)
-    x = x + _lin(attn, a.o_proj, dtype)
+    # o_proj per part: SDPA's output, which it keeps for backward, is then o_proj's saved input too
+    x = x + torch.cat([_lin(o.transpose(1, 2).reshape(-1, H * D), a.o_proj, dtype) for o in out])  # (T, E)
     m, norm2 = layer.mlp, layer.post_attention_layernorm
     h = _Norm.apply(x, norm2.weight, norm2.variance_epsilon, dtype)
     return x + _MLP.apply(h, m.gate_proj.weight, m.gate_proj.bias, m.up_proj.weight, m.up_proj.bias,

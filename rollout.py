@@ -265,10 +265,10 @@ class _HeadLogprobs(torch.autograd.Function):
         g_weight = g_bias = None
         if bias is not None and ctx.needs_input_grad[2]:
             g_bias = gz_all.float().sum(0).to(bias.dtype)
-        if ctx.needs_input_grad[1]:
-            g_weight = gz_all.t() @ hidden.to(dtype)
-            del gz_all  # before the fp32 copy of g_weight is made
-            g_weight = g_weight.to(weight.dtype)
+        if ctx.needs_input_grad[1]:  # in blocks of vocabulary rows: no full-size low-precision copy
+            g_weight, h = torch.empty_like(weight), hidden.to(dtype)
+            for j in range(0, weight.size(0), 8192):
+                g_weight[j:j + 8192] = gz_all[:, j:j + 8192].t() @ h
         return g_hidden, g_weight, g_bias, None, None, None, None, None
 
 
