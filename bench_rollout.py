@@ -7,7 +7,8 @@ Benchmark rollout.py on CPU with SmolLM2-135M and print markdown tables for the 
    tokens, temperature 1, no top-k/top-p. (a) `rollout.sample` on bf16 weights (prefix reuse: each
    prompt prefilled once), with the lean step and, for comparison, with the HF forward;
    (b) HF `model.generate` on the same bf16 model (num_return_sequences=G, so it prefills all 16
-   rows); (c) `rollout.sample` on fp32 weights under bf16 autocast. Every row
+   rows); (c) `rollout.sample` on fp32 weights with dtype=bf16, as train.py runs it (prefill under
+   autocast, the lean step on weights cast once per rollout). Every row
    makes exactly 128 tokens: `sample` gets as its only stop id a special token that never occurs
    in these completions (checked), `generate` gets min_new_tokens = max_new_tokens. One short
    warm-up call per variant, then `--repeats` timed calls; the fastest is reported.
@@ -53,7 +54,7 @@ p.add_argument("--group-size", type=int, default=8)
 p.add_argument("--max-new-tokens", type=int, default=128)
 p.add_argument("--data-dir", default=os.environ.get("GSM8K_DIR") or os.path.join(HERE, "..", "shared", "data", "gsm8k"),
                help="folder with GSM8K test.jsonl")
-p.add_argument("--no-autocast", action="store_true", help="skip variant (c): fp32 weights + bf16 autocast")
+p.add_argument("--no-autocast", action="store_true", help="skip variant (c): fp32 weights, dtype=bf16")
 # --- memory
 p.add_argument("--mem-rows", type=int, default=16)
 p.add_argument("--mem-prompt", type=int, default=172)
@@ -145,15 +146,14 @@ def timed(fn, repeats):
     return best, out
 
 
-def ours(model, autocast=False, lean=True):
+def ours(model, dtype=None, use_lean=True):
     def run(new_tokens):
         supports = lean.supports
-        if not lean:  # every decode step through the HF forward and its DynamicCache
+        if not use_lean:  # every decode step through the HF forward and its DynamicCache
             lean.supports = lambda m: False
         try:
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                r = sample(model, tok, prompts, G, new_tokens, [never], temperature=1.0,
-                           generator=torch.Generator().manual_seed(0))
+            r = sample(model, tok, prompts, G, new_tokens, [never], temperature=1.0,
+                       generator=torch.Generator().manual_seed(0), dtype=dtype)
         finally:
             lean.supports = supports
         if new_tokens == T:
@@ -180,15 +180,15 @@ def hf(model):
 rows = []
 bf16 = models.load_model(args.model, CPU, torch.bfloat16, trainable=False)
 for name, fn in [("`rollout.sample`, bf16 weights (`lean` step)", ours(bf16)),
-                 ("`rollout.sample`, bf16 weights, HF forward per step", ours(bf16, lean=False)),
+                 ("`rollout.sample`, bf16 weights, HF forward per step", ours(bf16, use_lean=False)),
                  ("HF `generate`, bf16 weights", hf(bf16))]:
     sec, _ = timed(fn, args.repeats)
     rows.append((name, sec))
     print(f"  {name}: {sec:.1f} s", flush=True)
 if not args.no_autocast:
     fp32 = models.load_model(args.model, CPU, torch.float32, trainable=False)
-    sec, _ = timed(ours(fp32, autocast=True), args.repeats)
-    rows.append(("`rollout.sample`, fp32 weights + bf16 autocast", sec))
+    sec, _ = timed(ours(fp32, dtype=torch.bfloat16), args.repeats)
+    rows.append(("`rollout.sample`, fp32 weights, `dtype=bf16` (cast once per rollout: train.py)", sec))
     print(f"  {rows[-1][0]}: {sec:.1f} s", flush=True)
 
 print(f"\n### Rollout: {N} completions x {T} new tokens, best of {args.repeats} after a warm-up\n")

@@ -165,7 +165,8 @@ def hidden_states(model, ids, mask, num_completion, group_size=1):
         prompt_keys = valid[:, None, None, :P].expand(N, 1, C1, P)
         own = valid[:, None, None, P:-1] & causal(C1, C1)  # (N, 1, C1, C1)
         masks.append(torch.cat([prompt_keys, own], -1))  # (N, 1, C1, P+C1)
-        flat_ids, flat_pos = torch.cat([flat_ids, ids[:, P:-1].reshape(-1)]), torch.cat([flat_pos, pos[:, P:-1].reshape(-1)])
+        flat_ids = torch.cat([flat_ids, ids[:, P:-1].reshape(-1)])  # (B P + N C1,)
+        flat_pos = torch.cat([flat_pos, pos[:, P:-1].reshape(-1)])
     x = dec.embed_tokens(flat_ids)  # (T, E)
     cos, sin = (t[0, :, None].to(dtype) for t in dec.rotary_emb(x, flat_pos[None]))  # (T, 1, D) each
     recompute = model.training and getattr(model, "is_activation_checkpointing", False) and torch.is_grad_enabled()
@@ -225,7 +226,8 @@ class LeanDecoder:
                 gate_up=_pack(_fuse(dt, m.gate_proj.weight, m.up_proj.weight), N),
                 gate_up_b=_fuse(dt, m.gate_proj.bias, m.up_proj.bias),
                 down=_pack(m.down_proj.weight.to(dt), N), down_b=_fuse(dt, m.down_proj.bias),
-                norm1=self._norm_weights(layer.input_layernorm), norm2=self._norm_weights(layer.post_attention_layernorm),
+                norm1=self._norm_weights(layer.input_layernorm),
+                norm2=self._norm_weights(layer.post_attention_layernorm),
                 scaling=a.scaling))
         head = model.get_output_embeddings()
         self.head, self.head_b = _pack(head.weight.to(dt), N), _fuse(dt, head.bias)

@@ -118,10 +118,8 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
     was_training = model.training
     model.eval()  # no dropout, and HF drops the KV cache in train mode under gradient checkpointing
     try:
-        dtype = dtype or next(model.parameters()).dtype
-        with torch.autocast(next(model.parameters()).device.type, dtype=dtype, enabled=dtype != torch.float32):
-            return _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature, top_p,
-                           top_k, generator, dtype)
+        return _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature, top_p, top_k,
+                       generator, dtype)
     finally:
         model.train(was_training)
 
@@ -133,9 +131,13 @@ def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, tem
     ids, mask = left_pad(encode_prompts(tokenizer, prompts), pad_id)  # (B, P)
     ids, mask = ids.to(device), mask.to(device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
+    weight_dtype = next(model.parameters()).dtype
+    dtype = dtype or weight_dtype
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype not in (weight_dtype, torch.float32))
     cache = DynamicCache(config=model.config)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                   use_cache=True, logits_to_keep=1).logits[:, -1]  # (B, V)
+    with autocast:
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                       use_cache=True, logits_to_keep=1).logits[:, -1]  # (B, V)
     G = group_size
     ids, mask, logits = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), logits.repeat_interleave(G, 0)
     next_pos = pos[:, -1:].repeat_interleave(G, 0) + 1  # (N, 1)
@@ -165,8 +167,9 @@ def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, tem
             logits = decoder.step(tok, next_pos)  # (N, V)
         else:
             mask = torch.cat([mask, mask.new_ones(N, 1)], 1)  # (N, P+t+1)
-            logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                           past_key_values=cache, use_cache=True).logits[:, -1]  # (N, V)
+            with autocast:
+                logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
+                               past_key_values=cache, use_cache=True).logits[:, -1]  # (N, V)
         next_pos = next_pos + 1
     completion_ids = torch.stack(tokens, 1)  # (N, C)
     completion_mask, truncated = completion_mask_from_stops(completion_ids, stop_ids)

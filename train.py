@@ -9,8 +9,8 @@ Each step: sample prompts -> G completions each -> rewards -> group advantages -
 log-probs -> mu passes of micro-batched loss, gradient accumulation, clip, optimizer step.
 Where the defaults depart from the paper (grpo.py's docstring lists the variants):
 - beta=0.04 k3 KL in the loss (the paper), but the loss is aggregated per the --loss-type flag;
-- sampling runs on a copy of the policy in --dtype (bf16 by default), synced after every update;
-  --dtype float32 samples from the policy itself (max_dlogp in the logs measures the mismatch);
+- sampling runs in --dtype (bf16 by default; max_dlogp in the logs measures the mismatch): on the
+  policy's weights cast per rollout (lean.py models), else on a --dtype copy synced after updates;
 - multi-GPU averages gradients with one all-reduce per update instead of wrapping in DDP, because
   the log-prob pass calls the decoder and LM head separately (see rollout.token_logprobs).
 """
