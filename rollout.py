@@ -267,7 +267,7 @@ class _HeadLogprobs(torch.autograd.Function):
                 gz_all[c] = gz
         g_weight = g_bias = None
         if bias is not None and ctx.needs_input_grad[2]:
-            g_bias = gz_all.float().sum(0).to(bias.dtype)
+            g_bias = gz_all.sum(0, dtype=torch.float32).to(bias.dtype)
         if ctx.needs_input_grad[1]:  # in blocks of vocabulary rows: no full-size low-precision copy
             g_weight, h = torch.empty_like(weight), hidden.to(dtype)
             for j in range(0, weight.size(0), 8192):
