@@ -255,14 +255,9 @@ class LeanDecoder:
         cos, sin = dec.rotary_emb(x, positions)  # (N, 1, D)
         self.valid[..., c] = True
         valid = self.valid[..., :c + 1]  # (N, 1, 1, c+1)
-
-        def rotate(t):  # t (N, heads, D): q and k heads together
-            t1, t2 = t[..., :D // 2], t[..., D // 2:]
-            return t * cos + torch.cat((-t2, t1), -1) * sin
-
         for i, lw in enumerate(self.layers):
             qkv = _linear(self._norm(x, lw["norm1"]), lw["qkv"], lw["qkv_b"])  # (N, (H + 2 KV) D)
-            qk = rotate(qkv[:, :(H + KV) * D].view(N, H + KV, D))
+            qk = _rotate(qkv[:, :(H + KV) * D].view(N, H + KV, D), cos, sin)  # q and k heads in one pass
             q, self.k[i, ..., c] = qk[:, :H] * lw["scaling"], qk[:, H:]
             self.v[i, :, :, c] = qkv[:, (H + KV) * D:].view(N, KV, D)
             scores = q.view(N, KV, H // KV, D) @ self.k[i, ..., :c + 1]  # (N, KV, H/KV, c+1)
