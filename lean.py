@@ -68,7 +68,7 @@ class _Linear(torch.autograd.Function):
         g2 = g.flatten(0, -2)
         gx = g @ w.to(ctx.dtype) if ctx.needs_input_grad[0] else None
         gw = (g2.t() @ x.flatten(0, -2)).to(w.dtype) if ctx.needs_input_grad[1] else None
-        gb = g2.float().sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        gb = g2.sum(0, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return gx, gw, gb, None
 
 
@@ -99,7 +99,7 @@ class _MLP(torch.autograd.Function):
         gh = ga @ wg.to(dt) + gu @ wu.to(dt) if ctx.needs_input_grad[0] else None
         gwg = (ga.flatten(0, -2).t() @ h2).to(wg.dtype)
         gwu = (gu.flatten(0, -2).t() @ h2).to(wu.dtype)
-        bias = lambda t, on: t.flatten(0, -2).float().sum(0) if on else None
+        bias = lambda t, on: t.flatten(0, -2).sum(0, dtype=torch.float32) if on else None
         return gh, gwg, bias(ga, ctx.bias[0]), gwu, bias(gu, ctx.bias[1]), gwd, bias(g, ctx.bias[2]), None
 
 
