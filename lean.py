@@ -29,28 +29,49 @@ def supports(model):
 # -----------------------------------------------------------------------------
 # the teacher-forced forward, with gradients
 
-class _Norm(torch.autograd.Function):
-    """The HF RMSNorm (weight * (x / rms(x)) in x's dtype, statistics in fp32), output cast to `dtype`.
+def _norm_fwd(x, w, eps, dtype):
+    """The HF RMSNorm (weight * (x / rms(x)) in x's dtype, statistics in fp32), cast to `dtype` -> (out, 1/rms)."""
+    xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 as HF (float64 stays: gradcheck)
+    r = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # (..., 1)
+    return (w * (xf * r).to(x.dtype)).to(dtype), r
 
-    Saves x and 1/rms only; backward recomputes x / rms. With u = g * w and n = x / rms:
-    dx = (u - n * mean(u * n)) / rms, dw = sum over tokens of g * n.
-    """
+
+def _norm_recompute(x, w, r, dtype):
+    """_norm_fwd's output again from the saved 1/rms: the same ops, so the same bits."""
+    return (w * (x.to(r.dtype) * r).to(x.dtype)).to(dtype)
+
+
+def _norm_bwd(x, w, r, g):
+    """With u = g * w and n = x / rms: dx = (u - n * mean(u * n)) / rms, dw = sum over tokens of g * n."""
+    n, g = x.to(r.dtype) * r, g.to(r.dtype)
+    u = g * w.to(r.dtype)
+    gx = (u - n * (u * n).mean(-1, keepdim=True)).mul_(r)
+    return gx.to(x.dtype), (g * n).flatten(0, -2).sum(0).to(w.dtype)
+
+
+def _linear_bwd(g, x, w, has_bias, dtype):
+    """Gradients of x @ w.T + b for output gradient g -> (gx in g's dtype, gw in w's dtype, gb fp32 or None)."""
+    g2 = g.flatten(0, -2)
+    gw = (g2.t() @ x.flatten(0, -2)).to(w.dtype)
+    return g @ w.to(dtype), gw, g2.sum(0, dtype=torch.float32) if has_bias else None
+
+
+def _cast(t, dtype):
+    return None if t is None else t.to(dtype)
+
+
+class _Norm(torch.autograd.Function):
+    """RMSNorm (_norm_fwd); saves x and 1/rms, recomputes x / rms in backward."""
 
     @staticmethod
     def forward(ctx, x, w, eps, dtype):
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 as HF (float64 stays: gradcheck)
-        r = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # (..., 1)
+        out, r = _norm_fwd(x, w, eps, dtype)
         ctx.save_for_backward(x, w, r)
-        return (w * (xf * r).to(x.dtype)).to(dtype)
+        return out
 
     @staticmethod
     def backward(ctx, g):
-        x, w, r = ctx.saved_tensors
-        n, g = x.to(r.dtype) * r, g.to(r.dtype)
-        u = g * w.to(r.dtype)
-        gx = (u - n * (u * n).mean(-1, keepdim=True)).mul_(r)
-        gw = (g * n).flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None
-        return gx.to(x.dtype), None if gw is None else gw.to(w.dtype), None, None
+        return *_norm_bwd(*ctx.saved_tensors, g), None, None
 
 
 class _Linear(torch.autograd.Function):
@@ -60,47 +81,69 @@ class _Linear(torch.autograd.Function):
     def forward(ctx, x, w, b, dtype):
         ctx.save_for_backward(x, w)
         ctx.dtype, ctx.has_bias = dtype, b is not None
-        return F.linear(x, w.to(dtype), None if b is None else b.to(dtype))
+        return F.linear(x, w.to(dtype), _cast(b, dtype))
 
     @staticmethod
     def backward(ctx, g):
         x, w = ctx.saved_tensors
-        g2 = g.flatten(0, -2)
-        gx = g @ w.to(ctx.dtype) if ctx.needs_input_grad[0] else None
-        gw = (g2.t() @ x.flatten(0, -2)).to(w.dtype) if ctx.needs_input_grad[1] else None
-        gb = g2.sum(0, dtype=torch.float32) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None
+        return *_linear_bwd(g, x, w, ctx.has_bias, ctx.dtype), None
 
 
-class _MLP(torch.autograd.Function):
-    """down(silu(gate(h)) * up(h)); saves h, gate(h) and up(h), recomputes the product in backward.
+class _NormLinears(torch.autograd.Function):
+    """RMSNorm of x, then linears of it (the attention's q, k, v): (x, norm w, eps, dtype, w1, b1, w2,
+    b2, ...) -> outputs. Saves x and 1/rms and recomputes the norm's output in backward, instead of
+    keeping it: x is the layer input, which the layer's _AddNormMLP keeps anyway."""
 
-    d silu(a) / da = s * (1 + a * (1 - s)), s = sigmoid(a).
+    @staticmethod
+    def forward(ctx, x, nw, eps, dtype, *wb):
+        h, r = _norm_fwd(x, nw, eps, dtype)
+        ctx.save_for_backward(x, nw, r, *wb[0::2])
+        ctx.dtype, ctx.has_bias = dtype, [b is not None for b in wb[1::2]]
+        return tuple(F.linear(h, w.to(dtype), _cast(b, dtype)) for w, b in zip(wb[0::2], wb[1::2]))
+
+    @staticmethod
+    def backward(ctx, *gs):
+        x, nw, r, *ws = ctx.saved_tensors
+        h, gh, grads = _norm_recompute(x, nw, r, ctx.dtype), 0, []
+        for g, w, has_bias in zip(gs, ws, ctx.has_bias):
+            gx, gw, gb = _linear_bwd(g, h, w, has_bias, ctx.dtype)
+            gh, grads = gh + gx, grads + [gw, gb]
+        return *_norm_bwd(x, nw, r, gh), None, None, *grads
+
+
+class _AddNormMLP(torch.autograd.Function):
+    """The second half of a layer: xm = x + a (the attention output), out = xm + mlp(norm(xm)), with
+    mlp(h) = down(silu(gate(h)) * up(h)). Saves x, a, 1/rms, gate(h) and up(h): the fp32 xm and the
+    norm's output are recomputed (the same ops, the same bits), silu(gate) * up too.
+
+    d silu(s) / ds = sig * (1 + s * (1 - sig)), sig = sigmoid(s).
     """
 
     @staticmethod
-    def forward(ctx, h, wg, bg, wu, bu, wd, bd, dtype):
-        cast = lambda t: None if t is None else t.to(dtype)
-        a, u = F.linear(h, cast(wg), cast(bg)), F.linear(h, cast(wu), cast(bu))
-        ctx.save_for_backward(h, a, u, wg, wu, wd)
+    def forward(ctx, x, a, nw, eps, wg, bg, wu, bu, wd, bd, dtype):
+        xm = x + a
+        h, r = _norm_fwd(xm, nw, eps, dtype)
+        gate, up = F.linear(h, wg.to(dtype), _cast(bg, dtype)), F.linear(h, wu.to(dtype), _cast(bu, dtype))
+        ctx.save_for_backward(x, a, nw, r, gate, up, wg, wu, wd)
         ctx.dtype, ctx.bias = dtype, (bg is not None, bu is not None, bd is not None)
-        return F.linear(F.silu(a) * u, cast(wd), cast(bd))
+        return xm + F.linear(F.silu(gate) * up, wd.to(dtype), _cast(bd, dtype))
 
     @staticmethod
     def backward(ctx, g):
-        h, a, u, wg, wu, wd = ctx.saved_tensors
-        dt, g2, h2 = ctx.dtype, g.flatten(0, -2), h.flatten(0, -2)
-        s = torch.sigmoid(a)
-        silu = a * s
-        gm = g @ wd.to(dt)  # d loss / d (silu(a) * u)
-        gwd = (g2.t() @ (silu * u).flatten(0, -2)).to(wd.dtype)
+        x, a, nw, r, gate, up, wg, wu, wd = ctx.saved_tensors
+        dt = ctx.dtype
+        xm = x + a
+        h = _norm_recompute(xm, nw, r, dt)
+        sig = torch.sigmoid(gate)
+        silu = gate * sig
+        gm, gwd, gbd = _linear_bwd(g.to(dt), silu * up, wd, ctx.bias[2], dt)  # gm: d loss / d (silu * up)
         gu = gm * silu
-        ga = gm * u * s * (1 + a * (1 - s))
-        gh = ga @ wg.to(dt) + gu @ wu.to(dt) if ctx.needs_input_grad[0] else None
-        gwg = (ga.flatten(0, -2).t() @ h2).to(wg.dtype)
-        gwu = (gu.flatten(0, -2).t() @ h2).to(wu.dtype)
-        bias = lambda t, on: t.flatten(0, -2).sum(0, dtype=torch.float32) if on else None
-        return gh, gwg, bias(ga, ctx.bias[0]), gwu, bias(gu, ctx.bias[1]), gwd, bias(g, ctx.bias[2]), None
+        ga = gm * up * sig * (1 + gate * (1 - sig))
+        gh_g, gwg, gbg = _linear_bwd(ga, h, wg, ctx.bias[0], dt)
+        gh_u, gwu, gbu = _linear_bwd(gu, h, wu, ctx.bias[1], dt)
+        gxm, gnw = _norm_bwd(xm, nw, r, gh_g + gh_u)
+        gxm = gxm + g  # the residual
+        return gxm.to(x.dtype), gxm.to(a.dtype), gnw, None, gwg, gbg, gwu, gbu, gwd, gbd, None
 
 
 def _lin(x, mod, dtype):
@@ -118,11 +161,10 @@ def _layer(layer, x, cos, sin, masks, B, P, G, dtype):
     a, cfg = layer.self_attn, layer.self_attn.config
     H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, a.head_dim
     norm1 = layer.input_layernorm
-    h = _Norm.apply(x, norm1.weight, norm1.variance_epsilon, dtype)  # (T, E)
-    T = h.size(0)
-    q = _rotate(_lin(h, a.q_proj, dtype).view(T, H, D), cos, sin)
-    k = _rotate(_lin(h, a.k_proj, dtype).view(T, KV, D), cos, sin)
-    v = _lin(h, a.v_proj, dtype).view(T, KV, D)
+    q, k, v = _NormLinears.apply(x, norm1.weight, norm1.variance_epsilon, dtype, a.q_proj.weight, a.q_proj.bias,
+                                 a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias)  # (T, heads D)
+    T = x.size(0)
+    q, k, v = _rotate(q.view(T, H, D), cos, sin), _rotate(k.view(T, KV, D), cos, sin), v.view(T, KV, D)
     heads = lambda t, rows: t.view(rows, -1, *t.shape[1:]).transpose(1, 2)  # (rows, heads, len, D)
     n = B * P
     qp, kp, vp = heads(q[:n], B), heads(k[:n], B), heads(v[:n], B)
@@ -134,11 +176,10 @@ def _layer(layer, x, cos, sin, masks, B, P, G, dtype):
         out.append(F.scaled_dot_product_attention(heads(q[n:], N), kc, vc, attn_mask=masks[1], scale=a.scaling,
                                                   enable_gqa=True))
     # o_proj per part: SDPA's output, which it keeps for backward, is then o_proj's saved input too
-    x = x + torch.cat([_lin(o.transpose(1, 2).reshape(-1, H * D), a.o_proj, dtype) for o in out])  # (T, E)
+    o = torch.cat([_lin(o.transpose(1, 2).reshape(-1, H * D), a.o_proj, dtype) for o in out])  # (T, E)
     m, norm2 = layer.mlp, layer.post_attention_layernorm
-    h = _Norm.apply(x, norm2.weight, norm2.variance_epsilon, dtype)
-    return x + _MLP.apply(h, m.gate_proj.weight, m.gate_proj.bias, m.up_proj.weight, m.up_proj.bias,
-                          m.down_proj.weight, m.down_proj.bias, dtype)
+    return _AddNormMLP.apply(x, o, norm2.weight, norm2.variance_epsilon, m.gate_proj.weight, m.gate_proj.bias,
+                             m.up_proj.weight, m.up_proj.bias, m.down_proj.weight, m.down_proj.bias, dtype)
 
 
 def hidden_states(model, ids, mask, num_completion, group_size=1):
@@ -234,7 +275,10 @@ class LeanDecoder:
         self.final_norm = self._norm_weights(dec.norm)
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        L, D, dev = P + max_new_tokens, self.head_dim, head.weight.device
+        # attention always spans the whole cache (unwritten columns masked): one matmul shape per
+        # rollout, and few across rollouts, where a shape growing every step made oneDNN build and
+        # cache (~250 KB each, up to 1024 of them) two new matmul kernels per token step
+        L, D, dev = -(-(P + max_new_tokens) // 64) * 64, self.head_dim, head.weight.device
         self.k = torch.zeros(len(self.layers), N, self.kv_heads, D, L, dtype=dt, device=dev)  # keys transposed
         self.v = torch.zeros(len(self.layers), N, self.kv_heads, L, D, dtype=dt, device=dev)
         for i, layer in enumerate(cache.layers):
@@ -254,15 +298,15 @@ class LeanDecoder:
         x = dec.embed_tokens(tokens).to(self.dtype)  # (N, E)
         cos, sin = dec.rotary_emb(x, positions)  # (N, 1, D)
         self.valid[..., c] = True
-        valid = self.valid[..., :c + 1]  # (N, 1, 1, c+1)
+        masked = ~self.valid  # (N, 1, 1, L)
         for i, lw in enumerate(self.layers):
             qkv = _linear(self._norm(x, lw["norm1"]), lw["qkv"], lw["qkv_b"])  # (N, (H + 2 KV) D)
             qk = _rotate(qkv[:, :(H + KV) * D].view(N, H + KV, D), cos, sin)  # q and k heads in one pass
             q, self.k[i, ..., c] = qk[:, :H] * lw["scaling"], qk[:, H:]
             self.v[i, :, :, c] = qkv[:, (H + KV) * D:].view(N, KV, D)
-            scores = q.view(N, KV, H // KV, D) @ self.k[i, ..., :c + 1]  # (N, KV, H/KV, c+1)
-            probs = scores.masked_fill(~valid, float("-inf")).softmax(-1, dtype=torch.float32).to(x.dtype)
-            attn = (probs @ self.v[i, :, :, :c + 1]).view(N, H * D)  # (N, H D)
+            scores = q.view(N, KV, H // KV, D) @ self.k[i]  # (N, KV, H/KV, L)
+            probs = scores.masked_fill_(masked, float("-inf")).softmax(-1, dtype=torch.float32).to(x.dtype)
+            attn = (probs @ self.v[i]).view(N, H * D)  # (N, H D)
             x = x + _linear(attn, lw["o"], lw["o_b"])
             gate, up = _linear(self._norm(x, lw["norm2"]), lw["gate_up"], lw["gate_up_b"]).chunk(2, -1)
             x = x + _linear(F.silu(gate) * up, lw["down"], lw["down_b"])

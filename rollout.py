@@ -56,9 +56,10 @@ def encode_prompts(tokenizer, prompts):
     return out
 
 
-def left_pad(seqs, pad_id):
-    """List of id lists -> (ids (B, P), mask (B, P)) with padding on the left."""
+def left_pad(seqs, pad_id, multiple=1):
+    """List of id lists -> (ids (B, P), mask (B, P)) with padding on the left, P a multiple of `multiple`."""
     P = max(len(s) for s in seqs)
+    P += -P % multiple
     ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), P), dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -128,7 +129,7 @@ def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, tem
             dtype):
     device = next(model.parameters()).device
     pad_id = stop_ids[0]  # any id works: padding is masked everywhere
-    ids, mask = left_pad(encode_prompts(tokenizer, prompts), pad_id)  # (B, P)
+    ids, mask = left_pad(encode_prompts(tokenizer, prompts), pad_id, 16)  # (B, P) recurring shapes: see token_logprobs
     ids, mask = ids.to(device), mask.to(device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
     weight_dtype = next(model.parameters()).dtype
@@ -147,7 +148,10 @@ def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, tem
     N = ids.size(0)
     stop = torch.as_tensor(stop_ids, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
-    tokens, logps = [], []
+    # written in place: a small tensor kept per step would settle in the hole a freed (N, V) buffer
+    # left, and the next step's buffers would then extend the heap (glibc), ~3 MB a step
+    tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logps = torch.zeros(N, max_new_tokens, device=device)
     for t in range(max_new_tokens):
         logits = logits.float()  # (N, V)
         if temperature > 0 and temperature != 1.0:
@@ -158,8 +162,8 @@ def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, tem
         else:
             tok = logits.argmax(-1)  # (N,)
         tok = tok.masked_fill(done, pad_id)
-        tokens.append(tok)
-        logps.append(logp.gather(1, tok[:, None]).squeeze(1))
+        tokens[:, t] = tok
+        logps[:, t] = logp.gather(1, tok[:, None]).squeeze(1)
         done |= torch.isin(tok, stop)
         if t == max_new_tokens - 1 or bool(done.all()):
             break
@@ -170,8 +174,8 @@ def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, tem
             with autocast:
                 logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
                                past_key_values=cache, use_cache=True).logits[:, -1]  # (N, V)
-        next_pos = next_pos + 1
-    completion_ids = torch.stack(tokens, 1)  # (N, C)
+        next_pos += 1
+    completion_ids, logps = tokens[:, :t + 1], logps[:, :t + 1]  # (N, C)
     completion_mask, truncated = completion_mask_from_stops(completion_ids, stop_ids)
     completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_id)
     lengths = completion_mask.sum(1) - (~truncated).long()  # (N,) tokens before the stop token
@@ -180,7 +184,7 @@ def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, tem
     return Rollout(prompt_ids=ids, prompt_mask=mask[:, :ids.size(1)], completion_ids=completion_ids,
                    completion_mask=completion_mask, truncated=truncated,
                    group=torch.arange(N, device=device) // G, completions=texts,
-                   sample_logp=torch.stack(logps, 1).masked_fill(completion_mask == 0, 0.0))
+                   sample_logp=logps.masked_fill(completion_mask == 0, 0.0))
 
 
 def shared_prompt_rows(group_size, micro_batch):
@@ -209,51 +213,66 @@ class _HeadLogprobs(torch.autograd.Function):
     """Log-prob of each target token (and the entropy) under the LM head, V-sized work in chunks.
 
     hidden (n, H), weight (V, H), bias (V,) or None, targets (n,) -> logp (n,), entropy (n,) or None.
-    Nothing of size V is saved: backward recomputes each chunk's logits z and forms the gradient
-    of the logits directly, d logp_t / dz = onehot(t) - p and dH / dz = -p * (log p + H), then the
-    two matmuls. The matmuls run in `dtype` (the autocast dtype, else the weight's), the softmax
-    math in fp32, as autograd under autocast would do, with a fraction of the elementwise passes.
+    Backward forms the gradient of the logits directly, d logp_t / dz = onehot(t) - p and
+    dH / dz = -p * (log p + H), then the two matmuls; the weight's from one (n, V) buffer in `dtype`
+    (the autocast dtype, else the weight's). When that dtype is 16-bit, the forward fills this
+    buffer with p, so backward does not recompute the logits; else backward recomputes each chunk's
+    logits and nothing of size V is saved. The target's 1 - p_t comes from the fp32 log-prob, not
+    the rounded p. Matmuls run in `dtype`, the softmax math in fp32, as autograd under autocast
+    would do, with a fraction of the elementwise passes.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy, chunk_size, dtype):
         ctx.set_materialize_grads(False)  # entropy that is only logged gets no gradient work
         w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
-        logps, logzs, ents = [], [], []
-        for i in range(0, hidden.size(0), chunk_size):
-            z = F.linear(hidden[i:i + chunk_size].to(dtype), w, b).float()  # (n_c, V)
+        n = hidden.size(0)
+        logp, logz = hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32)
+        ent = hidden.new_empty(n, dtype=torch.float32) if with_entropy else None
+        need_w = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
+        probs = hidden.new_empty(n, weight.size(0), dtype=dtype) if need_w and dtype.itemsize < 4 else None
+        for i in range(0, n, chunk_size):  # results go into preallocated outputs (see sample())
+            c = slice(i, i + chunk_size)
+            z = F.linear(hidden[c].to(dtype), w, b).float()  # (n_c, V)
             if temperature != 1.0:
                 z = z / temperature
-            logz = z.logsumexp(-1)  # (n_c,)
-            logps.append(z.gather(-1, targets[i:i + chunk_size, None]).squeeze(-1) - logz)
-            logzs.append(logz)
-            if with_entropy:
-                ents.append(logz - (z - logz[:, None]).exp_().mul_(z).sum(-1))  # H = logZ - E_p[z]
-        logp, logz = torch.cat(logps), torch.cat(logzs)
-        ent = torch.cat(ents) if with_entropy else None
-        ctx.save_for_backward(hidden, weight, bias, targets, logz, ent)
+            logz[c] = z.logsumexp(-1)
+            logp[c] = z.gather(-1, targets[c, None]).squeeze(-1) - logz[c]
+            if with_entropy or probs is not None:
+                p = (z - logz[c, None]).exp_()
+                if probs is not None:
+                    probs[c] = p
+                if with_entropy:
+                    ent[c] = logz[c] - p.mul_(z).sum(-1)  # H = logZ - E_p[z]
+        ctx.save_for_backward(hidden, weight, bias, targets, logz, logp, ent, probs)
         ctx.cfg = temperature, chunk_size, dtype
         return logp, ent
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        hidden, weight, bias, targets, logz, ent = ctx.saved_tensors
+        hidden, weight, bias, targets, logz, logp, ent, probs = ctx.saved_tensors
         temperature, chunk_size, dtype = ctx.cfg
         w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
         g_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         need_w = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
         # dLoss/dz of all chunks, for one weight-gradient matmul at the end: a (V, H) product per
         # chunk would allocate (and page-fault in) the size of the weight every time
-        gz_all = hidden.new_empty(hidden.size(0), weight.size(0), dtype=dtype) if need_w else None
+        gz_all = probs if probs is not None else \
+            hidden.new_empty(hidden.size(0), weight.size(0), dtype=dtype) if need_w else None
         for i in range(0, hidden.size(0), chunk_size):
             c = slice(i, i + chunk_size)
-            z = F.linear(hidden[c].to(dtype), w, b).float()  # (n_c, V) recomputed
-            if temperature != 1.0:
-                z = z / temperature
-            logp_all = z.sub_(logz[c, None])  # log p, in place of z
-            p = logp_all.exp()
+            if probs is not None:
+                p = probs[c].float()
+                logp_all = p.log() if g_ent is not None else None
+            else:
+                z = F.linear(hidden[c].to(dtype), w, b).float()  # (n_c, V) recomputed
+                if temperature != 1.0:
+                    z = z / temperature
+                logp_all = z.sub_(logz[c, None])  # log p, in place of z
+                p = logp_all.exp()
             if g_logp is not None:  # gz = dLoss / dz
-                gz = (p * -g_logp[c, None]).scatter_add_(-1, targets[c, None], g_logp[c, None])
+                one_minus = -torch.expm1(logp[c, None])  # 1 - p_t in fp32
+                gz = (p * -g_logp[c, None]).scatter_(-1, targets[c, None], one_minus * g_logp[c, None])
             else:
                 gz = torch.zeros_like(p)
             if g_ent is not None:
@@ -310,9 +329,14 @@ def token_logprobs(model, input_ids, attention_mask, num_completion, temperature
         raise NotImplementedError(f"{cfg.model_type}: logit softcapping/scaling is not applied in token_logprobs")
     device = next(model.parameters()).device
     out_device = out_device or input_ids.device
-    ids, mask = input_ids.to(device), attention_mask.to(device)
+    # prompt and completion widths padded (masked) to multiples of 16, so the matmul shapes recur
+    # from step to step: on CPU each new shape makes oneDNN build and cache (up to 1024, ~250 KB
+    # each) new kernels, which grew the process by ~40 MB a step
+    n_out, C = num_completion, num_completion + -num_completion % 16
+    left = -(input_ids.size(1) - n_out) % 16
+    ids = F.pad(input_ids, (left, C - n_out)).to(device)
+    mask = F.pad(attention_mask, (left, C - n_out)).to(device)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (N, P+C) same positions as during sampling
-    C = num_completion
     if lean.supports(model):
         hidden = lean.hidden_states(model, ids, mask, C, group_size)  # (N, C, H)
     elif group_size > 1 and not (model.training and model.is_activation_checkpointing):  # HF drops the cache then
@@ -329,6 +353,6 @@ def token_logprobs(model, input_ids, attention_mask, num_completion, temperature
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else lm_head.weight.dtype
     logp, entropy = _HeadLogprobs.apply(hidden, lm_head.weight, lm_head.bias, targets, temperature, with_entropy,
                                         chunk_size, dtype)
-    logp = logp.view(N, C).to(out_device)  # (N, C)
-    entropy = entropy.view(N, C).to(out_device) if with_entropy else None
+    logp = logp.view(N, C)[:, :n_out].to(out_device)  # (N, C)
+    entropy = entropy.view(N, C)[:, :n_out].to(out_device) if with_entropy else None
     return logp, entropy

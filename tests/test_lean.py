@@ -194,7 +194,7 @@ def test_hidden_states_recompute_layers_under_gradient_checkpointing(monkeypatch
         torch.testing.assert_close(p.grad, q.grad, atol=1e-6, rtol=1e-5)
 
 
-def test_norm_linear_mlp_functions_pass_gradcheck():
+def test_lean_functions_pass_gradcheck():
     """The hand-written backwards against finite differences, in float64 (bias included)."""
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
@@ -202,10 +202,16 @@ def test_norm_linear_mlp_functions_pass_gradcheck():
     assert torch.autograd.gradcheck(lambda x, w: lean._Norm.apply(x, w, 1e-6, torch.float64), (x, w))
     wl, b = r(4, 6), r(4)
     assert torch.autograd.gradcheck(lambda x, w, b: lean._Linear.apply(x, w, b, torch.float64), (x, wl, b))
+    f64 = torch.float64
+    wk, wv, bv = r(2, 6), r(2, 6), r(2)  # q with a bias, k without, v with
+    assert torch.autograd.gradcheck(lambda x, w, *l: lean._NormLinears.apply(x, w, 1e-6, f64, l[0], l[1], l[2], None,
+                                                                             l[3], l[4]), (x, w, wl, b, wk, wv, bv))
+    o = r(2, 3, 6)
     wg, bg, wu, bu, wd, bd = r(5, 6), r(5), r(5, 6), r(5), r(6, 5), r(6)
-    assert torch.autograd.gradcheck(lambda *a: lean._MLP.apply(*a, torch.float64), (x, wg, bg, wu, bu, wd, bd))
-    assert torch.autograd.gradcheck(lambda *a: lean._MLP.apply(a[0], a[1], None, a[2], None, a[3], None,
-                                                               torch.float64), (x, wg, wu, wd))
+    assert torch.autograd.gradcheck(lambda x, o, w, *m: lean._AddNormMLP.apply(x, o, w, 1e-6, *m, f64),
+                                    (x, o, w, wg, bg, wu, bu, wd, bd))
+    assert torch.autograd.gradcheck(lambda x, o, w, *m: lean._AddNormMLP.apply(x, o, w, 1e-6, m[0], None, m[1], None,
+                                                                               m[2], None, f64), (x, o, w, wg, wu, wd))
 
 
 def test_norm_matches_the_hf_rmsnorm_in_bf16_residual():

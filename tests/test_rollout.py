@@ -371,3 +371,23 @@ def test_head_logprobs_gradients_equal_autograd_with_bias_and_entropy(autocast):
     want_only = torch.autograd.grad((w_lp * want_lp).sum(), [hidden, weight, bias])
     for a, b in zip(only_lp, want_only):
         torch.testing.assert_close(a, b, **tol)
+
+
+def test_head_logprobs_confident_token_gradient_in_bf16():
+    """Under bf16 the forward keeps p in bf16 for backward; a target with p_t ~ 0.999 must still get
+    1 - p_t from its fp32 log-prob (bf16 p_t rounds to 0.996 or 1.0: an error of several times 1 - p_t)."""
+    from rollout import _HeadLogprobs
+    g = _gen(3)
+    n, H, V = 6, 16, 50
+    weight = (torch.randn(V, H, generator=g) * 0.3).requires_grad_()
+    targets = torch.randint(0, V, (n,), generator=g)
+    w_t = weight.detach()[targets]
+    hidden = (torch.randn(n, H, generator=g) * 0.1 + 20 * w_t / w_t.norm(dim=-1, keepdim=True)).requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _ = _HeadLogprobs.apply(hidden, weight, None, targets, 1.0, False, 4, torch.bfloat16)
+        z = F.linear(hidden, weight)  # the same bf16 logits, then autograd in fp32
+    assert (lp.exp() > 0.999).sum() >= 4, "the test needs confident targets"
+    got, = torch.autograd.grad(lp.sum(), [hidden])
+    want, = torch.autograd.grad(z.float().log_softmax(-1).gather(-1, targets[:, None]).sum(), [hidden])
+    err, size = (got - want).norm(dim=-1), want.norm(dim=-1)  # per row: confident rows have tiny gradients
+    assert (err <= 0.03 * size).all(), (err, size)
