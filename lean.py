@@ -3,13 +3,15 @@ Lean passes for Llama-style causal LMs (Llama, SmolLM2, Qwen2: RMSNorm, rotary, 
 
 - hidden_states(): the teacher-forced forward of the log-prob pass (rollout.token_logprobs), with
   gradients. Rows that share a prompt run it once and attend to its keys/values, gradients flowing
-  back into it. Norms, linears and the MLP are autograd Functions that keep only what their
-  backward needs (the residual stream, matmul inputs, the MLP's gate and up), and linears cast the
-  fp32 weight to the autocast dtype again in backward instead of holding a bf16 copy.
+  back into it. Each layer is two autograd Functions (norm + q/k/v; residual + norm + MLP) plus
+  o_proj, which keep only what their backward cannot cheaply recompute (the layer input, matmul
+  inputs, the MLP's gate and up), and cast the fp32 weights to the autocast dtype again in backward
+  instead of holding a bf16 copy.
 - LeanDecoder: the decode step of rollout.sample(). Through the HF forward that is ~30 small ops
   per layer plus a KV cache that grows by torch.cat. Here the KV cache is preallocated (keys
-  stored transposed, so attention is two plain batched matmuls), q/k/v and gate/up are one matmul
-  each, and on CPU the bf16 weights are packed once per rollout for oneDNN instead of on every call.
+  stored transposed, so attention is two plain batched matmuls of one shape per rollout), q/k/v
+  and gate/up are one matmul each, and on CPU the bf16 weights are packed once per rollout for
+  oneDNN instead of on every call.
 The math is the HF forward's up to rounding (tests compare logits and gradients); other
 architectures use the HF forward.
 """

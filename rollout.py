@@ -314,10 +314,10 @@ def token_logprobs(model, input_ids, attention_mask, num_completion, temperature
 
     input_ids, attention_mask (N, P+C) -> logp (N, C) [and entropy (N, C)], on out_device.
     One forward of the decoder (lean.hidden_states where it supports the model, else HF's); the LM
-    head runs only on the C completion positions and in
-    chunks of `chunk_size` tokens, so the (N, C, V) fp32 log-softmax never exists at once; backward
-    recomputes each chunk's logits instead of storing them (_HeadLogprobs). The default chunk keeps
-    a chunk's fp32 logits under 24 MiB on CPU: glibc then reuses freed memory, where bigger blocks are
+    head runs only on the C completion positions and in chunks of `chunk_size` tokens, so the
+    (N, C, V) fp32 log-softmax never exists at once; with gradients, one (N C, V) buffer in the
+    16-bit compute dtype carries p to backward (_HeadLogprobs). The default chunk keeps a chunk's
+    fp32 logits under 24 MiB on CPU: glibc then reuses freed memory, where bigger blocks are
     mapped fresh each time and page-faulted in at ~2 us per 4 KiB, more than the math on them.
     group_size=G > 1: rows come in groups of G that share their prompt (as sample() makes them);
     each prompt is run once and its keys/values repeated G times, gradients flowing through them

@@ -391,3 +391,10 @@ def test_head_logprobs_confident_token_gradient_in_bf16():
     want, = torch.autograd.grad(z.float().log_softmax(-1).gather(-1, targets[:, None]).sum(), [hidden])
     err, size = (got - want).norm(dim=-1), want.norm(dim=-1)  # per row: confident rows have tiny gradients
     assert (err <= 0.03 * size).all(), (err, size)
+
+
+def test_left_pad_to_a_multiple():
+    ids, mask = left_pad([[5, 6, 7], [8]], pad_id=0, multiple=4)
+    assert ids.tolist() == [[0, 5, 6, 7], [0, 0, 0, 8]] and mask.tolist() == [[0, 1, 1, 1], [0, 0, 0, 1]]
+    ids, mask = left_pad([[5, 6, 7, 9, 1]], pad_id=2, multiple=4)
+    assert ids.tolist() == [[2, 2, 2, 5, 6, 7, 9, 1]] and mask.sum().item() == 5
