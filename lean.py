@@ -35,11 +35,11 @@ def _norm_fwd(x, w, eps, dtype):
     """The HF RMSNorm (weight * (x / rms(x)) in x's dtype, statistics in fp32), cast to `dtype` -> (out, 1/rms)."""
     xf = x.to(torch.promote_types(x.dtype, torch.float32))  # fp32 as HF (float64 stays: gradcheck)
     r = xf.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()  # (..., 1)
-    return (w * (xf * r).to(x.dtype)).to(dtype), r
+    return _norm_apply(x, w, r, dtype), r
 
 
-def _norm_recompute(x, w, r, dtype):
-    """_norm_fwd's output again from the saved 1/rms: the same ops, so the same bits."""
+def _norm_apply(x, w, r, dtype):
+    """The norm's output from 1/rms: in the forward, and again in backward (the same ops, the same bits)."""
     return (w * (x.to(r.dtype) * r).to(x.dtype)).to(dtype)
 
 
@@ -106,7 +106,7 @@ class _NormLinears(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *gs):
         x, nw, r, *ws = ctx.saved_tensors
-        h, gh, grads = _norm_recompute(x, nw, r, ctx.dtype), 0, []
+        h, gh, grads = _norm_apply(x, nw, r, ctx.dtype), 0, []
         for g, w, has_bias in zip(gs, ws, ctx.has_bias):
             gx, gw, gb = _linear_bwd(g, h, w, has_bias, ctx.dtype)
             gh, grads = gh + gx, grads + [gw, gb]
@@ -135,7 +135,7 @@ class _AddNormMLP(torch.autograd.Function):
         x, a, nw, r, gate, up, wg, wu, wd = ctx.saved_tensors
         dt = ctx.dtype
         xm = x + a
-        h = _norm_recompute(xm, nw, r, dt)
+        h = _norm_apply(xm, nw, r, dt)
         sig = torch.sigmoid(gate)
         silu = gate * sig
         gm, gwd, gbd = _linear_bwd(g.to(dt), silu * up, wd, ctx.bias[2], dt)  # gm: d loss / d (silu * up)
