@@ -312,7 +312,8 @@ def token_logprobs(model, input_ids, attention_mask, num_completion, temperature
                    with_entropy=False, chunk_size=None, out_device=None, group_size=1):
     """Teacher-forced log-probs of the last `num_completion` tokens of each row.
 
-    input_ids, attention_mask (N, P+C) -> logp (N, C) [and entropy (N, C)], on out_device.
+    input_ids, attention_mask (N, P+C) -> logp (N, C) [and entropy (N, C)], on out_device; both are
+    0 where attention_mask is 0 (padding after a row's stop token), which the LM head skips.
     One forward of the decoder (lean.hidden_states where it supports the model, else HF's); the LM
     head runs only on the C completion positions and in chunks of `chunk_size` tokens, so the
     (N, C, V) fp32 log-softmax never exists at once; with gradients, one (N C, V) buffer in the
@@ -344,15 +345,15 @@ def token_logprobs(model, input_ids, attention_mask, num_completion, temperature
     else:
         hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
         hidden = hidden[:, -C - 1:-1]  # (N, C, H) position t predicts token t+1
-    targets = ids[:, -C:]  # (N, C)
     N, _, H = hidden.shape
-    hidden, targets = hidden.reshape(N * C, H), targets.reshape(N * C)
+    # the head only where the target is a real token: after a row's stop token it would be padding
+    keep = mask[:, -C:].reshape(N * C).nonzero().squeeze(1)  # (n,)
+    hidden, targets = hidden.reshape(N * C, H).index_select(0, keep), ids[:, -C:].reshape(N * C)[keep]
     lm_head = model.get_output_embeddings()
     if chunk_size is None:
         chunk_size = max(16, (24 << 20) // (4 * lm_head.weight.size(0))) if device.type == "cpu" else 1024
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else lm_head.weight.dtype
     logp, entropy = _HeadLogprobs.apply(hidden, lm_head.weight, lm_head.bias, targets, temperature, with_entropy,
                                         chunk_size, dtype)
-    logp = logp.view(N, C)[:, :n_out].to(out_device)  # (N, C)
-    entropy = entropy.view(N, C)[:, :n_out].to(out_device) if with_entropy else None
-    return logp, entropy
+    scatter = lambda t: t.new_zeros(N * C).index_copy(0, keep, t).view(N, C)[:, :n_out].to(out_device)  # (N, C)
+    return scatter(logp), scatter(entropy) if with_entropy else None

@@ -154,7 +154,7 @@ def hf_hidden(model, ids, mask, C):
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "llama_bias"])
-@pytest.mark.parametrize("G,C", [(3, 5), (1, 5), (3, 1)])
+@pytest.mark.parametrize("G,C", [(3, 5), (1, 5), (3, 1), (3, 40)])  # 40: padding tokens are left out
 def test_hidden_states_and_gradients_equal_the_hf_forward_fp32(kind, G, C):
     """Shared prompts (G=3) or none (G=1), one completion token or several: the hidden states at the
     completion positions and every parameter's gradient through them match HF's full forward."""
@@ -173,6 +173,16 @@ def test_hidden_states_and_gradients_equal_the_hf_forward_fp32(kind, G, C):
             continue
         torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-4, msg=name)
         assert p.grad.abs().sum() > 0, name
+
+
+def test_completion_tokens_left_out_are_padding_and_the_count_is_a_multiple():
+    next_valid = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)  # row 0 stopped
+    assert lean._completion_tokens(next_valid, multiple=3).tolist() == [0, 1, 4, 5, 6, 7]
+    assert lean._completion_tokens(next_valid, multiple=7).tolist() == [0, 1, 3, 4, 5, 6, 7]
+    assert lean._completion_tokens(next_valid, multiple=4).tolist() == list(range(8))
+    # (3, 40) in the test above leaves out tokens: 5 rows of 39 and 2 of row 0 -> 224 of 234 run
+    _, mask, _ = rows_with_shared_prompts(V, 3, 40)
+    assert len(lean._completion_tokens(mask.bool()[:, -39:])) == 224
 
 
 def test_hidden_states_recompute_layers_under_gradient_checkpointing(monkeypatch):

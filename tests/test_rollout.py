@@ -168,6 +168,7 @@ def test_token_logprobs_equals_naive_full_softmax(tiny_model):
             assert logp.shape == ent.shape == (3, C) and not logp.requires_grad
             torch.testing.assert_close(logp[m], naive_lp[m], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(ent[m], naive_ent[m], atol=1e-5, rtol=1e-5)
+            assert (logp[~m] == 0).all() and (ent[~m] == 0).all()  # padding after the stop: skipped, 0
     assert token_logprobs(tiny_model, ids, mask, C)[1] is None
     assert naive_ent[m].min() > 0.1 and naive_ent[m].max() < torch.log(torch.tensor(len(VOCAB.keys()) * 1.0))
 
