@@ -160,7 +160,7 @@ def _rotate(t, cos, sin):
 
 def _layer(layer, x, cos, sin, masks, B, P, G, idx, dtype):
     """One decoder layer on the flat token batch x: B*P prompt tokens, then the completion tokens
-    that `idx` picks from the (N, C1) grid (see _completion_tokens); attention runs on that grid."""
+    that `idx` picks from the (N, C1) grid (see token_index); attention runs on that grid."""
     a, cfg = layer.self_attn, layer.self_attn.config
     H, KV, D = cfg.num_attention_heads, cfg.num_key_value_heads, a.head_dim
     norm1 = layer.input_layernorm
@@ -170,7 +170,8 @@ def _layer(layer, x, cos, sin, masks, B, P, G, idx, dtype):
     q, k, v = _rotate(q.view(T, H, D), cos, sin), _rotate(k.view(T, KV, D), cos, sin), v.view(T, KV, D)
     heads = lambda t, rows: t.view(rows, -1, *t.shape[1:]).transpose(1, 2)  # (rows, heads, len, D)
     n = B * P
-    qp, kp, vp = heads(q[:n], B), heads(k[:n], B), heads(v[:n], B)
+    # q's prompt rows as a copy: SDPA keeps its inputs, and a view would keep all of q (grid(q) is another)
+    qp, kp, vp = heads(q[:n].clone() if T > n else q, B), heads(k[:n], B), heads(v[:n], B)
     out = [F.scaled_dot_product_attention(qp, kp, vp, attn_mask=masks[0], scale=a.scaling, enable_gqa=True)]
     if T > n:  # completions attend to their group's prompt and to their own earlier tokens
         N, C1 = B * G, masks[1].size(-2)
@@ -187,12 +188,12 @@ def _layer(layer, x, cos, sin, masks, B, P, G, idx, dtype):
                              m.up_proj.weight, m.up_proj.bias, m.down_proj.weight, m.down_proj.bias, dtype)
 
 
-def _completion_tokens(next_valid, multiple=32):
-    """(N, C1) bool, True where a completion token's next token is real -> flat indices of the tokens
-    to run: those, topped up with padding ones to a multiple of 32 (matmul shapes recur, see
-    rollout.token_logprobs). A token whose next one is padding predicts nothing scored, and later
-    tokens are all padding: nothing that is scored attends to it."""
-    run = next_valid.reshape(-1).clone()
+def token_index(real, multiple=32):
+    """(N, C) bool, True where a completion position's target is a real token -> flat indices of the
+    positions to compute: those, topped up with the last padding ones to a multiple of 32, so that
+    matmul shapes recur (see rollout.token_logprobs). Padding comes after a row's stop token: it is
+    not scored, and nothing that is scored attends to it (causal)."""
+    run = real.reshape(-1).clone()
     pad = (~run).nonzero().squeeze(1)
     run[pad[len(pad) - -int(run.sum()) % multiple:]] = True  # the last ones: ends of rows
     return run.nonzero().squeeze(1)
@@ -223,7 +224,7 @@ def hidden_states(model, ids, mask, num_completion, group_size=1):
         prompt_keys = valid[:, None, None, :P].expand(N, 1, C1, P)
         own = valid[:, None, None, P:-1] & causal(C1, C1)  # (N, 1, C1, C1)
         masks.append(torch.cat([prompt_keys, own], -1))  # (N, 1, C1, P+C1)
-        idx = _completion_tokens(valid[:, P + 1:])
+        idx = token_index(valid[:, P + 1:])  # completion tokens whose next token is real (see token_index)
         flat_ids = torch.cat([flat_ids, ids[:, P:-1].reshape(-1)[idx]])  # (B P + len(idx),)
         flat_pos = torch.cat([flat_pos, pos[:, P:-1].reshape(-1)[idx]])
     x = dec.embed_tokens(flat_ids)  # (T, E)

@@ -346,8 +346,9 @@ def token_logprobs(model, input_ids, attention_mask, num_completion, temperature
         hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
         hidden = hidden[:, -C - 1:-1]  # (N, C, H) position t predicts token t+1
     N, _, H = hidden.shape
-    # the head only where the target is a real token: after a row's stop token it would be padding
-    keep = mask[:, -C:].reshape(N * C).nonzero().squeeze(1)  # (n,)
+    # the head only where the target is a real token (after a row's stop token it is padding)
+    real = mask[:, -C:].bool()  # (N, C)
+    keep = lean.token_index(real)  # (n,)
     hidden, targets = hidden.reshape(N * C, H).index_select(0, keep), ids[:, -C:].reshape(N * C)[keep]
     lm_head = model.get_output_embeddings()
     if chunk_size is None:
@@ -355,5 +356,5 @@ def token_logprobs(model, input_ids, attention_mask, num_completion, temperature
     dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else lm_head.weight.dtype
     logp, entropy = _HeadLogprobs.apply(hidden, lm_head.weight, lm_head.bias, targets, temperature, with_entropy,
                                         chunk_size, dtype)
-    scatter = lambda t: t.new_zeros(N * C).index_copy(0, keep, t).view(N, C)[:, :n_out].to(out_device)  # (N, C)
-    return scatter(logp), scatter(entropy) if with_entropy else None
+    scatter = lambda t: t.new_zeros(N * C).index_copy(0, keep, t).view(N, C).masked_fill(~real, 0)[:, :n_out]
+    return scatter(logp).to(out_device), scatter(entropy).to(out_device) if with_entropy else None  # (N, C)

@@ -175,14 +175,14 @@ def test_hidden_states_and_gradients_equal_the_hf_forward_fp32(kind, G, C):
         assert p.grad.abs().sum() > 0, name
 
 
-def test_completion_tokens_left_out_are_padding_and_the_count_is_a_multiple():
+def test_token_index_leaves_out_padding_and_counts_a_multiple():
     next_valid = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)  # row 0 stopped
-    assert lean._completion_tokens(next_valid, multiple=3).tolist() == [0, 1, 4, 5, 6, 7]
-    assert lean._completion_tokens(next_valid, multiple=7).tolist() == [0, 1, 3, 4, 5, 6, 7]
-    assert lean._completion_tokens(next_valid, multiple=4).tolist() == list(range(8))
+    assert lean.token_index(next_valid, multiple=3).tolist() == [0, 1, 4, 5, 6, 7]
+    assert lean.token_index(next_valid, multiple=7).tolist() == [0, 1, 3, 4, 5, 6, 7]
+    assert lean.token_index(next_valid, multiple=4).tolist() == list(range(8))
     # (3, 40) in the test above leaves out tokens: 5 rows of 39 and 2 of row 0 -> 224 of 234 run
     _, mask, _ = rows_with_shared_prompts(V, 3, 40)
-    assert len(lean._completion_tokens(mask.bool()[:, -39:])) == 224
+    assert len(lean.token_index(mask.bool()[:, -39:])) == 224
 
 
 def test_hidden_states_recompute_layers_under_gradient_checkpointing(monkeypatch):
