@@ -3,6 +3,7 @@ Benchmark one GRPO step of train.py, optionally side by side with TRL's GRPOTrai
 
     python bench.py                 # our loop: per-phase times, tokens/s, peak RSS
     python bench.py --vs-trl        # + TRL GRPOTrainer at the same settings (pip install trl==1.16.0)
+    python bench.py --vs-trl --rounds 3   # the two sides in turn, 3 times; median ratios
 
 Defaults are the configuration of issue 5: SmolLM2-135M-Instruct, 2 GSM8K prompts x G=8 = 16
 completions, 128 new tokens, temperature 1.0, beta=0.04 (reference model on), mu=1, lr 1e-6,
@@ -37,9 +38,14 @@ p.add_argument("--dtype", default="bfloat16")
 p.add_argument("--gradient-checkpointing", action="store_true", help="on both sides (TRL's own default is on)")
 p.add_argument("--data-dir", default=None, help="GSM8K dir (else $GSM8K_DIR, else download)")
 p.add_argument("--vs-trl", action="store_true", help="also run TRL's GRPOTrainer and print the ratios")
+p.add_argument("--rounds", type=int, default=1,
+               help="with --vs-trl: run the two sides one after the other this many times and also print "
+                    "the median ratios (a VM's speed can drift within minutes)")
 p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
 p.add_argument("--out", default=None, help=argparse.SUPPRESS)
 args = p.parse_args()
+if args.rounds < 1:
+    p.error("--rounds must be at least 1")
 
 
 def ours_child(out):
@@ -123,22 +129,29 @@ import torch  # noqa: E402 (only for the machine line)
 print(f"# {time.strftime('%Y-%m-%d')} | {cpu} | {os.cpu_count()} cores, torch {torch.__version__}, "
       f"{torch.get_num_threads()} threads | {args.model}, {args.prompts_per_step}x{args.group_size} completions, "
       f"{args.max_new_tokens} new tokens, beta {args.beta}, {args.dtype} autocast, {args.steps - 1} timed steps")
-results = {"ours": run_side("ours")}
-if args.vs_trl:
-    results["trl"] = run_side("trl")
-print("\n| side | step s | generate s | reference s | train s | gen tok/s | mean completion len | peak RSS GiB |")
-print("|---|---|---|---|---|---|---|---|")
 def fmt(x, spec=".1f"):
     return "-" if x is None else format(x, spec)
 
 
-for name, (med, peak, _) in results.items():
-    n_tok = med["completion_len"] * args.prompts_per_step * args.group_size
-    g = med.get("t_generate")
-    print(f"| {name} | {fmt(med['t_step'])} | {fmt(g)} | {fmt(med.get('t_reference'))} | {fmt(med.get('t_train'))} | "
-          f"{fmt(g and n_tok / g, '.0f')} | {med['completion_len']:.0f} | {peak:.2f} |")
-if args.vs_trl:
-    (o, po, _), (t, pt, _) = results["ours"], results["trl"]
-    print(f"\nours / TRL: step time {o['t_step'] / t['t_step']:.2f}x, peak RSS {po / pt:.2f}x "
-          f"(goal <= 0.33x both); per-token step time ratio "
-          f"{(o['t_step'] / o['completion_len']) / (t['t_step'] / t['completion_len']):.2f}x")
+ratios = []  # (step time, peak RSS, per-token step time) ours / TRL, one per round
+for rnd in range(args.rounds if args.vs_trl else 1):
+    results = {"ours": run_side("ours")}
+    if args.vs_trl:
+        results["trl"] = run_side("trl")
+    print(f"\n{time.strftime('%H:%M UTC', time.gmtime())}, round {rnd + 1}")
+    print("\n| side | step s | generate s | reference s | train s | gen tok/s | mean completion len | peak RSS GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (med, peak, _) in results.items():
+        n_tok = med["completion_len"] * args.prompts_per_step * args.group_size
+        g = med.get("t_generate")
+        print(f"| {name} | {fmt(med['t_step'])} | {fmt(g)} | {fmt(med.get('t_reference'))} | "
+              f"{fmt(med.get('t_train'))} | {fmt(g and n_tok / g, '.0f')} | {med['completion_len']:.0f} | {peak:.2f} |")
+    if args.vs_trl:
+        (o, po, _), (t, pt, _) = results["ours"], results["trl"]
+        ratios.append((o["t_step"] / t["t_step"], po / pt,
+                       (o["t_step"] / o["completion_len"]) / (t["t_step"] / t["completion_len"])))
+        print("\nours / TRL: step time {:.2f}x, peak RSS {:.2f}x (goal <= 0.33x both); per-token step time "
+              "ratio {:.2f}x".format(*ratios[-1]))
+if len(ratios) > 1:
+    print("\nmedian over {} rounds: step time {:.2f}x, peak RSS {:.2f}x, per-token step time {:.2f}x".format(
+        len(ratios), *(statistics.median(r[i] for r in ratios) for i in range(3))))
