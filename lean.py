@@ -153,14 +153,9 @@ def _lin(x, mod, dtype):
 
 
 def _rotate(t, cos, sin):
-    """Rotary embedding of t (..., heads, D) as HF's apply_rotary_pos_emb, with cos (..., 1, D) and sin
-    from _signed_sin: HF's rotate_half(t) * sin is roll(t, D/2) * sin with its first half negated."""
-    return torch.addcmul(t * cos, t.roll(t.size(-1) // 2, -1), sin)
-
-
-def _signed_sin(sin):
-    D = sin.size(-1)
-    return torch.cat([-sin[..., :D // 2], sin[..., D // 2:]], -1)
+    """Rotary embedding of t (..., heads, D) with cos/sin (..., 1, D), as HF's apply_rotary_pos_emb."""
+    D = t.size(-1)
+    return t * cos + torch.cat((-t[..., D // 2:], t[..., :D // 2]), -1) * sin
 
 
 def _layer(layer, x, cos, sin, masks, B, P, G, idx, dtype):
@@ -234,7 +229,6 @@ def hidden_states(model, ids, mask, num_completion, group_size=1):
         flat_pos = torch.cat([flat_pos, pos[:, P:-1].reshape(-1)[idx]])
     x = dec.embed_tokens(flat_ids)  # (T, E)
     cos, sin = (t[0, :, None].to(dtype) for t in dec.rotary_emb(x, flat_pos[None]))  # (T, 1, D) each
-    sin = _signed_sin(sin)
     recompute = model.training and getattr(model, "is_activation_checkpointing", False) and torch.is_grad_enabled()
     for layer in dec.layers:
         args = (layer, x, cos, sin, masks, B, P, G, idx, dtype)
@@ -335,12 +329,13 @@ class LeanDecoder:
         dec = self.model.model
         x = dec.embed_tokens(tokens).to(self.dtype)  # (N, E)
         cos, sin = dec.rotary_emb(x, positions)  # (N, 1, D)
-        sin = _signed_sin(sin)
+        # rotary as _rotate with rotate_half(t) * sin = roll(t, D/2) * (sin with its first half negated)
+        sin = torch.cat([-sin[..., :D // 2], sin[..., D // 2:]], -1)
         self.bias[..., c] = 0.0
         for i, lw in enumerate(self.layers):
             qkv = _linear(self._norm(x, lw["norm1"]), lw["qkv"], lw["qkv_b"])  # (N, (H + 2 KV) D)
             qk = qkv[:, :(H + KV) * D].view(N, H + KV, D)  # q (scaled) and k heads, rotated in one pass
-            qk = _rotate(qk, cos, sin)
+            qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)
             self.k[i, :, :, c], self.v[i, :, :, c] = qk[:, H:], qkv[:, (H + KV) * D:].view(N, KV, D)
             scores = qk[:, :H].reshape(N, KV, H // KV, D) @ self.k[i].transpose(-1, -2)  # (N, KV, H/KV, L)
             probs = scores.add_(self.bias).softmax(-1)  # bf16 softmax runs in fp32 inside: the same bits
