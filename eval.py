@@ -13,21 +13,22 @@ writes one jsonl line per prediction, and prints a one-line summary. train.py re
 import argparse
 import json
 import os
-import sys
 
 import torch
 from tqdm import tqdm
 
+import cli
+import lean
 from models import DTYPES, ModelError, check_dtype, load_model, load_tokenizer, resolve_device, stop_token_ids
-from rollout import sample
+from rollout import HFDecoder, sample
 from tasks import TASKS, DataError
 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, task, examples, max_new_tokens=256, batch_size=32, n=1, temperature=1.0,
-             seed=0, progress=True, dtype=None):
+             seed=0, progress=True, dtype=None, decoder=HFDecoder):
     """Score `examples`; n=1 is greedy, n>1 samples n completions each (pass@n and mean@n).
-    dtype: the compute dtype of sampling (rollout.sample), default the weights'.
+    dtype, decoder: the compute dtype and the decode step of sampling (rollout.sample).
 
     Returns (summary dict, one record per example).
     """
@@ -39,7 +40,7 @@ def evaluate(model, tokenizer, task, examples, max_new_tokens=256, batch_size=32
     for i in tqdm(range(0, len(examples), per_batch), desc="eval", disable=not progress, leave=False):
         batch = examples[i:i + per_batch]
         r = sample(model, tokenizer, [task.prompt(ex) for ex in batch], n, max_new_tokens, stops,
-                   temperature=temperature if n > 1 else 0.0, generator=generator, dtype=dtype)
+                   temperature=temperature if n > 1 else 0.0, generator=generator, dtype=dtype, decoder=decoder)
         for j, ex in enumerate(batch):
             outs = r.completions[j * n:(j + 1) * n]
             scores = [task.score(c, ex) for c in outs]
@@ -89,11 +90,20 @@ def main():
     p.add_argument("--batch-size", type=int, default=32, help="completions decoded together")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights for decoding")
+    p.add_argument("--lean", default="auto", choices=["auto", "on", "off"],
+                   help="lean.py's decode step for plain Llama/Qwen2 models; auto = on CPU when its check passes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="predictions jsonl (default: beside the ckpt, or ./predictions.jsonl)")
     args = p.parse_args()
-    if args.n < 1 or (args.limit is not None and args.limit < 1):
-        p.error("--n and --limit must be >= 1")
+    cli.check(p, args, {"limit": ">= 1", "n": ">= 1", "temperature": "> 0", "max_new_tokens": ">= 1",
+                        "batch_size": ">= 1", "seed": ">= 0"}, nullable=("limit", "model", "ckpt", "data_dir", "out"))
+    out = args.out or (os.path.join(args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(args.ckpt),
+                                    f"predictions_{args.task}_{args.split}.jsonl") if args.ckpt else "predictions.jsonl")
+    try:  # before the evaluation, not after it: a bad path must not cost the run
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        open(out + ".tmp", "w").close()
+    except OSError as e:
+        p.error(f"--out {out} cannot be written ({e.strerror}); pass another path")
     try:
         device, dtype = resolve_device(args.device), DTYPES[args.dtype]
         check_dtype(device, dtype)
@@ -102,15 +112,22 @@ def main():
         if args.ckpt:
             model, tok, _ = load_checkpoint_model(args.ckpt, device, dtype)
         else:
-            model, tok = load_model(args.model or "smollm2-135m", device, dtype, trainable=False), load_tokenizer(args.model or "smollm2-135m")
+            name = args.model or "smollm2-135m"
+            model, tok = load_model(name, device, dtype, trainable=False), load_tokenizer(name)
     except (ModelError, DataError) as e:
-        sys.exit(f"error: {e}")
+        os.remove(out + ".tmp")
+        p.error(str(e))
+    try:
+        use_lean, line = lean.select(args.lean, model, device)
+    except ValueError as e:
+        p.error(str(e))
+    print(line)
     summary, records = evaluate(model, tok, task, examples, args.max_new_tokens, args.batch_size, args.n,
-                                args.temperature, args.seed)
-    out = args.out or (os.path.join(args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(args.ckpt),
-                                    f"predictions_{args.task}_{args.split}.jsonl") if args.ckpt else "predictions.jsonl")
-    with open(out, "w") as f:
+                                args.temperature, args.seed, dtype=dtype,
+                                decoder=lean.LeanDecoder if use_lean else HFDecoder)
+    with open(out + ".tmp", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in records)
+    os.replace(out + ".tmp", out)
     print(f"{args.task}/{args.split} {args.ckpt or args.model or 'smollm2-135m'}: " +
           " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()) +
           f" -> {out}")

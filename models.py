@@ -64,10 +64,14 @@ def _gguf_to_hf(gguf_path):
     from transformers import GgufConfig
     folder, fname = os.path.split(gguf_path)
     print(f"converting {gguf_path} to a bf16 HF folder in {out} (once, ~20 s)")
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-    # dequantize=True gives plain nn.Linear weights that can be trained and saved
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32,
-                                                 quantization_config=GgufConfig(dequantize=True))
+    try:
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+        # dequantize=True gives plain nn.Linear weights that can be trained and saved
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32,
+                                                     quantization_config=GgufConfig(dequantize=True))
+    except Exception as e:  # not a GGUF file, a truncated one, an architecture transformers cannot read
+        raise ModelError(f"cannot read {gguf_path} as a GGUF model ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:160] if str(e) else ''}); pass a valid .gguf file") from None
     model.config.quantization_config = None
     model.config.name_or_path = gguf_path
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -102,23 +106,32 @@ def load_tokenizer(name):
     path = resolve_model(name)
     try:
         tok = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # missing or unreadable tokenizer files
         raise ModelError(f"{_hint(name)} [{type(e).__name__}: {str(e).splitlines()[0][:200]}]") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # the id only fills padding; masks never read it
     return tok
 
 
-def load_model(name, device, dtype=torch.float32, trainable=True):
+def load_model(name, device, dtype=torch.float32, trainable=True, matmul_dtype=None):
     """Load a causal LM on `device` with weights in `dtype`.
 
-    trainable=False gives a frozen model in eval mode (reference / sampler): no grads are ever kept.
+    trainable=False gives a frozen model in eval mode (a reference): no grads are ever kept.
+    matmul_dtype: store the nn.Linear weights (not tied to an embedding) in this dtype, the rest in
+    `dtype`. Under autocast to matmul_dtype such a model computes bit for bit what the fp32 master
+    weights compute (autocast casts them to the same values), in about half the memory.
     """
     path = resolve_model(name)
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except (OSError, ValueError) as e:
-        raise ModelError(f"{_hint(name)} [{type(e).__name__}: {str(e).splitlines()[0][:200]}]") from None
+    except Exception as e:  # missing, corrupt (SafetensorError), or not a causal LM
+        msg = str(e).splitlines()[0][:200] if str(e) else ""
+        raise ModelError(f"{_hint(name)} [{type(e).__name__}: {msg}]") from None
+    if matmul_dtype is not None and matmul_dtype != dtype:
+        tied = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        for m in model.modules():
+            if type(m) is torch.nn.Linear and id(m.weight) not in tied:
+                m.to(matmul_dtype)
     model.to(device)
     model.config.use_cache = False  # training forwards never need the KV cache; sampling passes its own
     if not trainable:

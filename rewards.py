@@ -197,6 +197,10 @@ def reward_model_reward(model, tokenizer, batch_size=16, device=None):
 # -----------------------------------------------------------------------------
 # combining
 
+class RewardError(ValueError):
+    """A reward function failed or returned something unusable; the message names it."""
+
+
 def combine_rewards(reward_fns, weights, completions, **fields):
     """Weighted sum of reward fns: total[i] = sum_k weights[k] * reward_fns[k](completions, **fields)[i].
 

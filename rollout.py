@@ -1,5 +1,11 @@
 """
-Sampling G completions per prompt, and per-token log-probs of sampled tokens under any model.
+Sampling G completions per prompt, and per-token log-probs of sampled tokens: the plain path.
+
+Everything here runs through the model's own modules: the decode loop calls `model(...)` with its KV
+cache, the log-prob pass calls the model's decoder and its `lm_head` module. Whatever a fork changes
+in them (LoRA, a hook, a swapped layer, a quantised linear) is what runs. lean.py offers faster
+drop-ins for the two pluggable points, the decode step (`sample(..., decoder=)`) and `token_logprobs`,
+and refuses models it cannot reproduce exactly.
 
 Conventions used everywhere in this repo:
 - rows are grouped contiguously: prompt i owns rows i*G ... i*G+G-1;
@@ -9,13 +15,15 @@ Conventions used everywhere in this repo:
   EOS token and the model would never learn to stop).
 """
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
-import lean
+import grpo
 
 
 @dataclass
@@ -28,6 +36,7 @@ class Rollout:
     group: torch.Tensor            # (N,) index of the prompt each row belongs to
     completions: list              # N decoded strings, stop token excluded
     sample_logp: torch.Tensor      # (N, C) log-probs at sampling time (temperature applied, before top-p/k)
+    prompt_cut: torch.Tensor = None  # (N,) bool: the prompt was cut from the left to max_prompt_tokens
 
     @property
     def input_ids(self):
@@ -92,64 +101,99 @@ def filter_logits(logits, top_k=0, top_p=1.0):
     return logits
 
 
-def sample_from_logits(logits, generator=None):
-    """One token per row by inverse CDF: a single uniform per row.
+def sample_from_logits(logits, u):
+    """One token per row by inverse CDF, from one uniform u (N,) in [0, 1) per row.
 
-    torch.multinomial draws an exponential for every vocabulary entry (~20 ms a step for 16 rows
-    x 49k vocab on a 2-core CPU); this costs a cumsum. Removed (-inf) tokens have an empty CDF
-    interval, so they are never drawn.
+    Cheaper than torch.multinomial, which draws a random number for every vocabulary entry.
+    Removed (-inf) tokens have an empty CDF interval, so they are never drawn.
     """
     cdf = logits.softmax(-1).cumsum(-1)  # (N, V)
-    u = torch.rand(cdf.size(0), 1, device=cdf.device, generator=generator) * cdf[:, -1:]  # (N, 1)
-    return torch.searchsorted(cdf, u, right=True).clamp(max=cdf.size(-1) - 1).squeeze(1)  # (N,)
+    return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=cdf.size(-1) - 1).squeeze(1)
+
+
+def _autocast(model, dtype):
+    """Autocast to `dtype` when it is lower than the weights' (fp32 master weights, bf16 compute)."""
+    p = next(model.parameters())
+    on = dtype is not None and dtype != p.dtype and dtype != torch.float32
+    return torch.autocast(p.device.type, dtype=dtype) if on else nullcontext()
+
+
+class HFDecoder:
+    """The plain decode step: the model's own forward with transformers' KV cache.
+
+    Built once per rollout: each of the B prompts is prefilled once and its cache repeated G times.
+    `logits` (N, V) predict the first completion token; step(tokens (N,), positions (N, 1)) -> (N, V)
+    for the next. dtype: the compute dtype (autocast when lower than the weights').
+    """
+
+    def __init__(self, model, prompt_ids, prompt_mask, group_size, max_new_tokens, dtype=None):
+        self.model, self.autocast = model, _autocast(model, dtype)
+        self.cache = DynamicCache(config=model.config)
+        pos = (prompt_mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
+        with self.autocast:
+            logits = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=pos,
+                           past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # (B, V)
+        self.cache.batch_repeat_interleave(group_size)
+        self.logits = logits.repeat_interleave(group_size, 0)  # (N, V)
+        self.mask = prompt_mask.repeat_interleave(group_size, 0)  # (N, P), grows by a column a step
+
+    def step(self, tokens, positions):
+        self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.size(0), 1)], 1)  # (N, P+t+1)
+        with self.autocast:
+            return self.model(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions,
+                              past_key_values=self.cache, use_cache=True).logits[:, -1]  # (N, V)
+
+
+def _check_sampling(group_size, max_new_tokens, temperature, top_p, top_k):
+    if group_size < 1 or max_new_tokens < 1:
+        raise ValueError(f"group_size and max_new_tokens must be >= 1, got {group_size} and {max_new_tokens}")
+    if not temperature >= 0:  # nan fails too
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not 0 < top_p <= 1 or top_k < 0:
+        raise ValueError(f"need 0 < top_p <= 1 and top_k >= 0, got top_p={top_p}, top_k={top_k}")
 
 
 @torch.no_grad()
-def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature=1.0,
-           top_p=1.0, top_k=0, generator=None, dtype=None):
-    """Sample `group_size` completions for each prompt with a KV cache; temperature 0 is greedy.
+def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature=1.0, top_p=1.0, top_k=0,
+           generator=None, dtype=None, decoder=HFDecoder, max_prompt_tokens=None):
+    """Sample `group_size` completions for each prompt; temperature 0 is greedy.
 
-    Each prompt is prefilled once and its KV cache repeated G times (prefix reuse), then all
-    rows decode together until every row has produced a stop token or max_new_tokens is reached,
-    through lean.LeanDecoder where it supports the model, else the model's own forward.
-    dtype: the compute dtype (default: the weights'). A lower one than the weights' runs the prefill
-    under autocast and the lean decode step on weights cast once per rollout (the HF forward on
-    other models decodes under autocast: slower than weights stored in that dtype).
+    All rows decode together until every row has produced a stop token or max_new_tokens is reached.
+    generator: a torch.Generator, or a list of one per prompt: then each prompt's completions depend only
+    on its own generator, not on which prompts share the batch (or the process). dtype: the compute
+    dtype (default: the weights'). decoder: the decode step (HFDecoder, or a drop-in such as
+    lean.LeanDecoder). max_prompt_tokens: longer prompts keep their last tokens (cut from the left).
     """
+    _check_sampling(group_size, max_new_tokens, temperature, top_p, top_k)
     was_training = model.training
     model.eval()  # no dropout, and HF drops the KV cache in train mode under gradient checkpointing
     try:
         return _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature, top_p, top_k,
-                       generator, dtype)
+                       generator, dtype, decoder, max_prompt_tokens)
     finally:
         model.train(was_training)
 
 
-def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature, top_p, top_k, generator,
-            dtype):
+def _sample(model, tokenizer, prompts, G, max_new_tokens, stop_ids, temperature, top_p, top_k, generator, dtype,
+            decoder, max_prompt_tokens):
     device = next(model.parameters()).device
     pad_id = stop_ids[0]  # any id works: padding is masked everywhere
-    ids, mask = left_pad(encode_prompts(tokenizer, prompts), pad_id, 16)  # (B, P) recurring shapes: see token_logprobs
-    ids, mask = ids.to(device), mask.to(device)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
-    weight_dtype = next(model.parameters()).dtype
-    dtype = dtype or weight_dtype
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype not in (weight_dtype, torch.float32))
-    cache = DynamicCache(config=model.config)
-    with autocast:
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                       use_cache=True, logits_to_keep=1).logits[:, -1]  # (B, V)
-    G = group_size
-    ids, mask, logits = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0), logits.repeat_interleave(G, 0)
-    next_pos = pos[:, -1:].repeat_interleave(G, 0) + 1  # (N, 1)
-    decoder = lean.LeanDecoder(model, cache, G, mask, max_new_tokens, dtype) if lean.supports(model) else None
-    if decoder is None:
-        cache.batch_repeat_interleave(G)
-    N = ids.size(0)
+    seqs = encode_prompts(tokenizer, prompts)
+    cut = torch.tensor([max_prompt_tokens is not None and len(s) > max_prompt_tokens for s in seqs])  # (B,)
+    if max_prompt_tokens is not None:
+        seqs = [s[-max_prompt_tokens:] for s in seqs]
+    ids, mask = (t.to(device) for t in left_pad(seqs, pad_id))  # (B, P)
+    B, N = ids.size(0), ids.size(0) * G
+    # one uniform per row and token, drawn up front (per prompt when given a generator per prompt)
+    gens = generator if isinstance(generator, (list, tuple)) else None
+    u = torch.cat([torch.rand(G, max_new_tokens, generator=g, device=g.device) for g in gens]) if gens else \
+        torch.rand(N, max_new_tokens, generator=generator, device=generator.device if generator else None)
+    u = u.to(device)  # (N, max_new_tokens)
+    step = decoder(model, ids, mask, G, max_new_tokens, dtype)
+    logits = step.logits  # (N, V)
+    next_pos = (mask.cumsum(-1) - 1)[:, -1:].repeat_interleave(G, 0) + 1  # (N, 1)
     stop = torch.as_tensor(stop_ids, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)
-    # written in place: a small tensor kept per step would settle in the hole a freed (N, V) buffer
-    # left, and the next step's buffers would then extend the heap (glibc), ~3 MB a step
     tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logps = torch.zeros(N, max_new_tokens, device=device)
     for t in range(max_new_tokens):
@@ -157,23 +201,15 @@ def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, tem
         if temperature > 0 and temperature != 1.0:
             logits = logits / temperature
         logp = logits.log_softmax(-1)  # (N, V)
-        if temperature > 0:
-            tok = sample_from_logits(filter_logits(logits, top_k, top_p), generator)  # (N,)
-        else:
-            tok = logits.argmax(-1)  # (N,)
+        tok = sample_from_logits(filter_logits(logits, top_k, top_p), u[:, t]) if temperature > 0 else \
+            logits.argmax(-1)  # (N,)
         tok = tok.masked_fill(done, pad_id)
         tokens[:, t] = tok
         logps[:, t] = logp.gather(1, tok[:, None]).squeeze(1)
         done |= torch.isin(tok, stop)
         if t == max_new_tokens - 1 or bool(done.all()):
             break
-        if decoder is not None:
-            logits = decoder.step(tok, next_pos)  # (N, V)
-        else:
-            mask = torch.cat([mask, mask.new_ones(N, 1)], 1)  # (N, P+t+1)
-            with autocast:
-                logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=next_pos,
-                               past_key_values=cache, use_cache=True).logits[:, -1]  # (N, V)
+        logits = step.step(tok, next_pos)  # (N, V)
         next_pos += 1
     completion_ids, logps = tokens[:, :t + 1], logps[:, :t + 1]  # (N, C)
     completion_mask, truncated = completion_mask_from_stops(completion_ids, stop_ids)
@@ -181,17 +217,11 @@ def _sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, tem
     lengths = completion_mask.sum(1) - (~truncated).long()  # (N,) tokens before the stop token
     texts = tokenizer.batch_decode([row[:n] for row, n in zip(completion_ids.tolist(), lengths.tolist())],
                                    skip_special_tokens=True)
-    return Rollout(prompt_ids=ids, prompt_mask=mask[:, :ids.size(1)], completion_ids=completion_ids,
-                   completion_mask=completion_mask, truncated=truncated,
+    return Rollout(prompt_ids=ids.repeat_interleave(G, 0), prompt_mask=mask.repeat_interleave(G, 0),
+                   completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
                    group=torch.arange(N, device=device) // G, completions=texts,
-                   sample_logp=logps.masked_fill(completion_mask == 0, 0.0))
-
-
-def shared_prompt_rows(group_size, micro_batch):
-    """Rows per prompt inside each micro-batch of G-row groups, for token_logprobs(group_size=...):
-    G when micro-batches hold whole groups, the micro-batch when it lies inside one group, else 1."""
-    G, mb = group_size, micro_batch
-    return G if mb % G == 0 else mb if G % mb == 0 else 1
+                   sample_logp=logps.masked_fill(completion_mask == 0, 0.0),
+                   prompt_cut=cut.repeat_interleave(G, 0).to(device))
 
 
 def micro_batches(r, size):
@@ -209,152 +239,82 @@ def micro_batches(r, size):
         yield slice(i, i + size), r.input_ids[i:i + size, lo:hi], mask[i:i + size, lo:hi], hi - P
 
 
-class _HeadLogprobs(torch.autograd.Function):
-    """Log-prob of each target token (and the entropy) under the LM head, V-sized work in chunks.
+# -----------------------------------------------------------------------------
+# teacher-forced log-probs
 
-    hidden (n, H), weight (V, H), bias (V,) or None, targets (n,) -> logp (n,), entropy (n,) or None.
-    Backward forms the gradient of the logits directly, d logp_t / dz = onehot(t) - p and
-    dH / dz = -p * (log p + H), then the two matmuls; the weight's from one (n, V) buffer in `dtype`
-    (the autocast dtype, else the weight's). When that dtype is 16-bit, the forward fills this
-    buffer with p, so backward does not recompute the logits; else backward recomputes each chunk's
-    logits and nothing of size V is saved. The target's 1 - p_t comes from the fp32 log-prob, not
-    the rounded p. Matmuls run in `dtype`, the softmax math in fp32, as autograd under autocast
-    would do, with a fraction of the elementwise passes.
+
+def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False, chunk_size=None, ref=None):
+    """Log-prob of each target token under the `lm_head` module, in chunks of rows.
+
+    hidden (n, H), targets (n,) -> logp (n,), entropy (n,) or None, kl (n,) or None. Each chunk's
+    (chunk, V) logits are made, used and dropped; under autograd each chunk is checkpointed, so backward
+    keeps only `hidden` and calls the head again: no (n, V) fp32 tensor ever exists.
+    ref = (ref_lm_head, ref_hidden (n, H)): also the exact KL(pi || pi_ref) over the whole vocabulary
+    at each position (grpo.full_kl), the reference's logits made from its hidden states chunk by chunk.
     """
+    if chunk_size is None:  # a chunk's fp32 logits stay under 64 MiB
+        chunk_size = max(16, (64 << 20) // (4 * lm_head.weight.size(0)))
 
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy, chunk_size, dtype):
-        ctx.set_materialize_grads(False)  # entropy that is only logged gets no gradient work
-        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
-        n = hidden.size(0)
-        logp, logz = hidden.new_empty(n, dtype=torch.float32), hidden.new_empty(n, dtype=torch.float32)
-        ent = hidden.new_empty(n, dtype=torch.float32) if with_entropy else None
-        need_w = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
-        probs = hidden.new_empty(n, weight.size(0), dtype=dtype) if need_w and dtype.itemsize < 4 else None
-        for i in range(0, n, chunk_size):  # results go into preallocated outputs (see sample())
-            c = slice(i, i + chunk_size)
-            z = F.linear(hidden[c].to(dtype), w, b).float()  # (n_c, V)
-            if temperature != 1.0:
-                z = z / temperature
-            logz[c] = z.logsumexp(-1)
-            logp[c] = z.gather(-1, targets[c, None]).squeeze(-1) - logz[c]
-            if with_entropy or probs is not None:
-                p = (z - logz[c, None]).exp_()
-                if probs is not None:
-                    probs[c] = p
-                if with_entropy:
-                    ent[c] = logz[c] - p.mul_(z).sum(-1)  # H = logZ - E_p[z]
-        ctx.save_for_backward(hidden, weight, bias, targets, logz, logp, ent, probs)
-        ctx.cfg = temperature, chunk_size, dtype
-        return logp, ent
+    def chunk(h, t, h_ref):
+        z = lm_head(h).float() / temperature  # (n_c, V)
+        logz = z.logsumexp(-1)  # (n_c,)
+        logp = z.gather(-1, t[:, None]).squeeze(-1) - logz
+        ent = logz - (z - logz[:, None]).exp().mul(z).sum(-1) if with_entropy else None  # H = logZ - E_p[z]
+        kl = None
+        if h_ref is not None:
+            with torch.no_grad():
+                z_ref = ref[0](h_ref).float() / temperature  # (n_c, V)
+            kl = grpo.full_kl(z[None], z_ref[None], chunk_size=z.size(0))[0]
+        return logp, ent, kl
 
-    @staticmethod
-    def backward(ctx, g_logp, g_ent):
-        hidden, weight, bias, targets, logz, logp, ent, probs = ctx.saved_tensors
-        temperature, chunk_size, dtype = ctx.cfg
-        w, b = weight.to(dtype), None if bias is None else bias.to(dtype)
-        g_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        need_w = ctx.needs_input_grad[1] or (bias is not None and ctx.needs_input_grad[2])
-        # dLoss/dz of all chunks, for one weight-gradient matmul at the end: a (V, H) product per
-        # chunk would allocate (and page-fault in) the size of the weight every time
-        gz_all = probs if probs is not None else \
-            hidden.new_empty(hidden.size(0), weight.size(0), dtype=dtype) if need_w else None
-        for i in range(0, hidden.size(0), chunk_size):
-            c = slice(i, i + chunk_size)
-            if probs is not None:
-                p = probs[c].float()
-                logp_all = p.log() if g_ent is not None else None
-            else:
-                z = F.linear(hidden[c].to(dtype), w, b).float()  # (n_c, V) recomputed
-                if temperature != 1.0:
-                    z = z / temperature
-                logp_all = z.sub_(logz[c, None])  # log p, in place of z
-                p = logp_all.exp()
-            if g_logp is not None:  # gz = dLoss / dz
-                one_minus = -torch.expm1(logp[c, None])  # 1 - p_t in fp32
-                gz = (p * -g_logp[c, None]).scatter_(-1, targets[c, None], one_minus * g_logp[c, None])
-            else:
-                gz = torch.zeros_like(p)
-            if g_ent is not None:
-                gz -= p * (logp_all + ent[c, None]) * g_ent[c, None]
-            if temperature != 1.0:
-                gz = gz / temperature
-            gz = gz.to(dtype)
-            if g_hidden is not None:
-                g_hidden[c] = gz @ w
-            if gz_all is not None:
-                gz_all[c] = gz
-        g_weight = g_bias = None
-        if bias is not None and ctx.needs_input_grad[2]:
-            g_bias = gz_all.sum(0, dtype=torch.float32).to(bias.dtype)
-        if ctx.needs_input_grad[1]:  # in blocks of vocabulary rows: no full-size low-precision copy
-            g_weight, h = torch.empty_like(weight), hidden.to(dtype)
-            for j in range(0, weight.size(0), 8192):
-                g_weight[j:j + 8192] = gz_all[:, j:j + 8192].t() @ h
-        return g_hidden, g_weight, g_bias, None, None, None, None, None
+    out = []
+    for i in range(0, hidden.size(0), chunk_size):
+        args = (hidden[i:i + chunk_size], targets[i:i + chunk_size], None if ref is None else ref[1][i:i + chunk_size])
+        grad = torch.is_grad_enabled() and hidden.requires_grad
+        out.append(checkpoint(chunk, *args, use_reentrant=False) if grad else chunk(*args))
+    cat = lambda k: torch.cat([o[k] for o in out]) if out and out[0][k] is not None else None
+    return (cat(0) if out else hidden.new_zeros(0, dtype=torch.float32)), cat(1), cat(2)
 
 
-def _shared_prefix_hidden(decoder, ids, mask, pos, C, G):
-    """Hidden states that predict the completion tokens, running each group's prompt once."""
-    P = ids.size(1) - C
-    cache = DynamicCache(config=decoder.config)
-    h_prompt = decoder(input_ids=ids[::G, :P], attention_mask=mask[::G, :P], position_ids=pos[::G, :P],
-                       past_key_values=cache, use_cache=True).last_hidden_state[:, -1:]  # (N/G, 1, H)
-    cache.batch_repeat_interleave(G)  # differentiable: gradients reach the shared prompt
-    if C == 1:
-        return h_prompt.repeat_interleave(G, 0)  # (N, 1, H)
-    h_comp = decoder(input_ids=ids[:, P:-1], attention_mask=mask[:, :-1], position_ids=pos[:, P:-1],
-                     past_key_values=cache, use_cache=True).last_hidden_state  # (N, C-1, H)
-    return torch.cat([h_prompt.repeat_interleave(G, 0), h_comp], 1)  # (N, C, H)
+def completion_hidden(model, input_ids, attention_mask, num_completion, group_size=1):
+    """Final hidden states (N, C, H) at the positions that predict the last C tokens of each row.
+
+    One forward of the model's decoder over the whole rows (position t predicts token t+1).
+    group_size: rows come in groups of G that share their prompt, a hint the plain path does not need
+    (lean.completion_hidden runs each shared prompt once).
+    """
+    C = num_completion
+    pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (N, P+C) the positions sample() used
+    out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos)
+    return out.last_hidden_state[:, -C - 1:-1]  # (N, C, H)
 
 
-def token_logprobs(model, input_ids, attention_mask, num_completion, temperature=1.0,
-                   with_entropy=False, chunk_size=None, out_device=None, group_size=1):
+def token_logprobs(model, input_ids, attention_mask, num_completion, temperature=1.0, with_entropy=False,
+                   chunk_size=None, out_device=None, group_size=1, ref=None):
     """Teacher-forced log-probs of the last `num_completion` tokens of each row.
 
-    input_ids, attention_mask (N, P+C) -> logp (N, C) [and entropy (N, C)], on out_device; both are
-    0 where attention_mask is 0 (padding after a row's stop token), which the LM head skips.
-    One forward of the decoder (lean.hidden_states where it supports the model, else HF's); the LM
-    head runs only on the C completion positions and in chunks of `chunk_size` tokens, so the
-    (N, C, V) fp32 log-softmax never exists at once; with gradients, one (N C, V) buffer in the
-    16-bit compute dtype carries p to backward (_HeadLogprobs). The default chunk keeps a chunk's
-    fp32 logits under 24 MiB on CPU: glibc then reuses freed memory, where bigger blocks are
-    mapped fresh each time and page-faulted in at ~2 us per 4 KiB, more than the math on them.
-    group_size=G > 1: rows come in groups of G that share their prompt (as sample() makes them);
-    each prompt is run once and its keys/values repeated G times, gradients flowing through them
-    (not through HF's forward under gradient checkpointing, which then drops the KV cache).
-    Runs on the model's own device (a reference model may live on CPU); grad follows torch's mode.
+    input_ids, attention_mask (N, P+C) -> logp (N, C), entropy (N, C) or None, kl (N, C) or None, on
+    out_device; all 0 where attention_mask is 0 (the padding after a row's stop token, which the head
+    skips). The decoder runs once (completion_hidden), the lm_head module in chunks (head_logprobs).
+    ref = (ref_lm_head, ref_hidden (N, C, H) from completion_hidden of the reference): the exact
+    full-vocabulary KL at each position too. Runs on the model's own device; grad follows torch's mode.
     """
     cfg = model.config
     if getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logits_scaling", 1.0) != 1.0:
         raise NotImplementedError(f"{cfg.model_type}: logit softcapping/scaling is not applied in token_logprobs")
     device = next(model.parameters()).device
     out_device = out_device or input_ids.device
-    # prompt and completion widths padded (masked) to multiples of 16, so the matmul shapes recur
-    # from step to step: on CPU each new shape makes oneDNN build and cache (up to 1024, ~250 KB
-    # each) new kernels, which grew the process by ~40 MB a step
-    n_out, C = num_completion, num_completion + -num_completion % 16
-    left = -(input_ids.size(1) - n_out) % 16
-    ids = F.pad(input_ids, (left, C - n_out)).to(device)
-    mask = F.pad(attention_mask, (left, C - n_out)).to(device)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (N, P+C) same positions as during sampling
-    if lean.supports(model):
-        hidden = lean.hidden_states(model, ids, mask, C, group_size)  # (N, C, H)
-    elif group_size > 1 and not (model.training and model.is_activation_checkpointing):  # HF drops the cache then
-        hidden = _shared_prefix_hidden(model.get_decoder(), ids, mask, pos, C, group_size)  # (N, C, H)
-    else:
-        hidden = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
-        hidden = hidden[:, -C - 1:-1]  # (N, C, H) position t predicts token t+1
-    N, _, H = hidden.shape
-    # the head only where the target is a real token (after a row's stop token it is padding)
-    real = mask[:, -C:].bool()  # (N, C)
-    keep = lean.token_index(real)  # (n,)
-    hidden, targets = hidden.reshape(N * C, H).index_select(0, keep), ids[:, -C:].reshape(N * C)[keep]
-    lm_head = model.get_output_embeddings()
-    if chunk_size is None:
-        chunk_size = max(16, (24 << 20) // (4 * lm_head.weight.size(0))) if device.type == "cpu" else 1024
-    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else lm_head.weight.dtype
-    logp, entropy = _HeadLogprobs.apply(hidden, lm_head.weight, lm_head.bias, targets, temperature, with_entropy,
-                                        chunk_size, dtype)
-    scatter = lambda t: t.new_zeros(N * C).index_copy(0, keep, t).view(N, C).masked_fill(~real, 0)[:, :n_out]
-    return scatter(logp).to(out_device), scatter(entropy).to(out_device) if with_entropy else None  # (N, C)
+    ids, mask, C = input_ids.to(device), attention_mask.to(device), num_completion
+    hidden = completion_hidden(model, ids, mask, C, group_size)  # (N, C, H)
+    real = mask[:, -C:].bool()  # (N, C) positions whose target is a real token
+    ref = None if ref is None else (ref[0], ref[1][real])
+    logp, ent, kl = head_logprobs(model.get_output_embeddings(), hidden[real], ids[:, -C:][real], temperature,
+                                  with_entropy, chunk_size, ref)  # (n,) each
+    return scatter_rows(real, logp, ent, kl, out_device=out_device)
+
+
+def scatter_rows(real, *values, out_device=None):
+    """Values (n,) at the True positions of real (N, C) -> (N, C) tensors, 0 elsewhere (None stays None)."""
+    def put(v):
+        return None if v is None else v.new_zeros(real.shape).masked_scatter(real, v).to(out_device or v.device)
+    return tuple(put(v) for v in values)

@@ -7,16 +7,18 @@ GRPO (DeepSeekMath, arXiv 2402.03300 §4) on a Hugging Face causal LM. Reads top
 
 Each step: sample prompts -> G completions each -> rewards -> group advantages -> reference
 log-probs -> mu passes of micro-batched loss, gradient accumulation, clip, optimizer step.
+Sampling and log-probs run through the model's own modules (rollout.py); --lean swaps in lean.py's
+faster passes where its check proves they compute the same thing, and says why when it does not.
 Where the defaults depart from the paper (grpo.py's docstring lists the variants):
-- beta=0.04 k3 KL in the loss (the paper), but the loss is aggregated per the --loss-type flag;
-- sampling runs in --dtype (bf16 by default; max_dlogp in the logs measures the mismatch): on the
-  policy's weights cast per rollout (lean.py models), else on a --dtype copy synced after updates;
-- multi-GPU averages gradients with one all-reduce per update instead of wrapping in DDP, because
-  the log-prob pass calls the decoder and LM head separately (see rollout.token_logprobs).
+- the loss is aggregated per --loss-type (default: the paper's per-sequence mean);
+- sampling runs in --dtype (bf16 by default) from the policy itself; max_dlogp in the logs measures
+  how far the sampling pass is from the training pass;
+- multi-process runs average gradients with one all-reduce per update instead of wrapping in DDP,
+  because the log-prob pass calls the decoder and the LM head separately (rollout.token_logprobs).
 """
 
 import argparse
-import ast
+import hashlib
 import json
 import math
 import os
@@ -29,16 +31,18 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import checkpoint
+import cli
 import grpo
 import lean
 from eval import evaluate
 from models import DTYPES, ModelError, check_dtype, load_model, load_tokenizer, resolve_device, stop_token_ids
-from rewards import combine_rewards
-from rollout import micro_batches, sample, shared_prompt_rows, token_logprobs
+from rewards import RewardError, combine_rewards
+from rollout import HFDecoder, micro_batches, sample, token_logprobs
 from tasks import TASKS, DataError
 
 # -----------------------------------------------------------------------------
-# flags: defaults here, then --config file, then the command line
+# flags: defaults here, then --config files, then the command line (cli.py checks every value)
 class Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
     pass  # keep the docstring's layout and show every default
 
@@ -55,12 +59,16 @@ g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:1 | mp
 g.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="autocast dtype; master weights stay fp32")
 g.add_argument("--ref-device", default=None, help="reference model device, e.g. cpu to offload; None = --device")
 g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
+g.add_argument("--lean", default="auto", choices=["auto", "on", "off"],
+               help="lean.py's faster passes for plain Llama/Qwen2 models; auto = on CPU when its check passes")
 # --- rollout
 g = p.add_argument_group("rollout")
 g.add_argument("--group-size", type=int, default=8, help="G: completions per prompt")
 g.add_argument("--prompts-per-step", type=int, default=2, help="prompts per step, over all ranks")
 g.add_argument("--micro-batch", type=int, default=8, help="completions per forward/backward")
 g.add_argument("--max-new-tokens", type=int, default=256)
+g.add_argument("--max-prompt-tokens", type=int, default=None,
+               help="longer prompts keep their last tokens (as TRL); None = the model's context - max-new-tokens")
 g.add_argument("--temperature", type=float, default=1.0)
 g.add_argument("--top-p", type=float, default=1.0)
 g.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -92,55 +100,47 @@ g.add_argument("--reward-weights", default=None, help="e.g. correct=1,format=0.1
 g = p.add_argument_group("run")
 g.add_argument("--seed", type=int, default=0)
 g.add_argument("--out-dir", default="out/run")
+g.add_argument("--overwrite", action="store_true", help="replace a finished or stopped run in --out-dir")
 g.add_argument("--eval-every", type=int, default=0, help="steps between evals on the test split; 0 = only at the end")
 g.add_argument("--eval-n", type=int, default=200, help="test examples per eval (the first N); 0 = no eval")
 g.add_argument("--save-every", type=int, default=50, help="steps between checkpoints (and one at the end); 0 = none")
 g.add_argument("--resume", default=None, help="out dir or ckpt.pt to continue from")
 g.add_argument("--log-completions", type=int, default=10, help="print a sample completion every N steps; 0 = never")
-
-
-def load_config(path):
-    """A config file of `name = literal` lines -> dict; read as data (ast), never exec'd."""
-    try:
-        tree = ast.parse(open(path).read(), path)
-    except (OSError, SyntaxError) as e:
-        p.error(f"cannot read config {path}: {e}")
-    cfg, actions = {}, {a.dest: a for a in p._actions}
-    for node in tree.body:
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
-            p.error(f"{path}:{node.lineno}: only `name = value` lines are allowed")
-        name = node.targets[0].id
-        if name not in actions:
-            p.error(f"{path}:{node.lineno}: unknown key '{name}'; keys are the flags with _ for -, e.g. group_size")
-        try:
-            cfg[name] = ast.literal_eval(node.value)
-        except ValueError:
-            p.error(f"{path}:{node.lineno}: the value of '{name}' must be a literal")
-        choices = actions[name].choices  # argparse checks choices on the command line only
-        if choices is not None and cfg[name] not in choices:
-            p.error(f"{path}:{node.lineno}: {name} = {cfg[name]!r}: choose from {sorted(choices)}")
-    return cfg
-
-
-pre = p.parse_known_args()[0]
-for path in pre.config:  # e.g. a base config, then an ablation that changes two lines of it
-    p.set_defaults(**load_config(path))
-ckpt = None
-if pre.resume:  # the checkpoint's config, then the command line on top
-    path = os.path.join(pre.resume, "ckpt.pt") if os.path.isdir(pre.resume) else pre.resume
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        p.set_defaults(**{**ckpt["config"], "out_dir": os.path.dirname(os.path.abspath(path))})
-    except Exception as e:
-        p.error(f"--resume {pre.resume}: no readable checkpoint at {path} ({type(e).__name__})")
-args = p.parse_args()  # saved as given: a resumed run re-resolves eps_high and ref_model from its own flags
+# every numeric flag's valid values, checked with its type before anything loads
+RANGES = {"group_size": ">= 2", "prompts_per_step": ">= 1", "micro_batch": ">= 1", "max_new_tokens": ">= 1",
+          "max_prompt_tokens": ">= 1", "temperature": "> 0", "top_p": "(0, 1]", "top_k": ">= 0", "steps": ">= 1",
+          "mu": ">= 1", "lr": "> 0", "warmup_steps": ">= 0", "weight_decay": ">= 0", "grad_clip": ">= 0",
+          "beta": ">= 0", "eps": "[0, 1)", "eps_high": ">= 0", "delta": "> 1", "top_entropy_quantile": "(0, 1]",
+          "ref_sync_every": ">= 0", "ref_sync_alpha": "(0, 1]", "seed": ">= 0", "eval_every": ">= 0",
+          "eval_n": ">= 0", "save_every": ">= 0", "log_completions": ">= 0"}
+args, ckpt_path = cli.parse(p, RANGES)
 eps_high = args.eps if args.eps_high is None else args.eps_high
 
 # -----------------------------------------------------------------------------
-# setup: distributed, device, checks that turn user mistakes into one-line errors
+# setup: distributed, device, the checks that need more than one flag
 ddp = int(os.environ.get("WORLD_SIZE", 1)) > 1
 rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
 master = rank == 0
+local_prompts = args.prompts_per_step // world
+N = local_prompts * args.group_size  # completions per rank per step
+if args.prompts_per_step % world:
+    p.error(f"--prompts-per-step {args.prompts_per_step} does not split over {world} ranks: use a multiple of {world}")
+if N % args.micro_batch:
+    p.error(f"--micro-batch {args.micro_batch} must divide the {N} completions per rank per step")
+if eps_high < args.eps:
+    p.error(f"--eps-high {eps_high} < --eps {args.eps}: clip-higher needs eps_high >= eps")
+if args.delta is not None and args.delta <= 1 + eps_high:
+    p.error(f"--delta {args.delta} must be > 1 + eps_high = {1 + eps_high}")
+task = TASKS[args.task]
+weights = dict(task.reward_weights)
+for item in (args.reward_weights.split(",") if args.reward_weights else []):
+    name, _, w = item.partition("=")
+    try:
+        weights[name] = float(w)
+    except ValueError:
+        weights[name] = math.nan
+    if name not in task.reward_weights or not math.isfinite(weights[name]):
+        p.error(f"--reward-weights: '{item}' is not name=number with name in {sorted(task.reward_weights)}")
 try:
     device = resolve_device(args.device)
     if ddp and device.type == "cuda":
@@ -152,29 +152,11 @@ try:
     check_dtype(ref_device, dtype)
 except ModelError as e:
     p.error(str(e))
-if ddp:
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-local_prompts = args.prompts_per_step // world
-N = local_prompts * args.group_size  # completions per rank per step
-if args.group_size < 2:
-    p.error("--group-size must be >= 2: group advantages need at least two completions per prompt")
-if args.prompts_per_step % world:
-    p.error(f"--prompts-per-step {args.prompts_per_step} does not split over {world} ranks: use a multiple of {world}")
-if N % args.micro_batch:
-    p.error(f"--micro-batch {args.micro_batch} must divide the {N} completions per rank per step")
-if eps_high < args.eps:
-    p.error(f"--eps-high {eps_high} < --eps {args.eps}: clip-higher needs eps_high >= eps")
-if not 0 < args.top_entropy_quantile <= 1:
-    p.error("--top-entropy-quantile must be in (0, 1]")
-if args.mu < 1 or args.steps < 1:
-    p.error("--mu and --steps must be >= 1")
-task = TASKS[args.task]
-weights = dict(task.reward_weights)
-for item in (args.reward_weights.split(",") if args.reward_weights else []):
-    name, _, w = item.partition("=")
-    if name not in weights or not w:
-        p.error(f"--reward-weights: '{item}' is not name=weight with name in {sorted(weights)}")
-    weights[name] = float(w)
+if master and not args.resume and checkpoint.existing_run(args.out_dir):  # never mix two runs' files
+    if not args.overwrite:
+        p.error(f"--out-dir {args.out_dir} holds a run ({', '.join(checkpoint.existing_run(args.out_dir))}): pass "
+                f"--resume {args.out_dir} to continue it, --overwrite to replace it, or another --out-dir")
+    checkpoint.clear_run(args.out_dir)
 try:
     os.makedirs(args.out_dir, exist_ok=True)
     probe = os.path.join(args.out_dir, f".write_test.{rank}")  # one per rank: they run this at the same time
@@ -182,41 +164,53 @@ try:
     os.remove(probe)
 except OSError as e:
     p.error(f"--out-dir {args.out_dir} is not writable ({e.strerror}); pass another directory")
-if master:  # resolved values here; the checkpoint keeps the flags as given, for --resume
-    resolved = {**vars(args), "eps_high": eps_high, "ref_model": args.ref_model or args.model}
-    print(json.dumps(resolved, indent=1))
-    with open(os.path.join(args.out_dir, "config.json"), "w") as f:
-        json.dump(resolved, f, indent=1)
+if ddp:
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 torch.manual_seed(args.seed + rank)
 autocast = torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype != torch.float32)
-share = shared_prompt_rows(args.group_size, args.micro_batch)  # prefix reuse: rows sharing a prompt run it once
 
 # -----------------------------------------------------------------------------
 # models and data
 try:
     tokenizer = load_tokenizer(args.model)
-    policy = load_model(args.model, device, torch.float32)  # fp32 master weights
-    # sampling reads every weight once per token, in --dtype: the lean decoder casts the policy's weights once
-    # per rollout; other models sample from a --dtype copy, faster than autocast (bench_rollout.py)
-    sampler = policy if dtype == torch.float32 or lean.supports(policy) else \
-        load_model(args.model, device, dtype, trainable=False)
-    ref = load_model(args.ref_model or args.model, ref_device, dtype, trainable=False) if args.beta > 0 else None
+    policy = load_model(args.model, device, torch.float32)  # fp32 master weights; sampling reads them too
+    # the reference in the policy's numerics: matmul weights stored as autocast would cast them, so at
+    # step 0 (policy == reference) the two passes give the same bits and the KL is exactly 0
+    ref = load_model(args.ref_model or args.model, ref_device, torch.float32, trainable=False,
+                     matmul_dtype=dtype) if args.beta > 0 else None
     train_set = task.load("train", data_dir=args.data_dir)
     test_set = task.load("test", data_dir=args.data_dir)[:args.eval_n] if master and args.eval_n else []
 except (ModelError, DataError) as e:
     p.error(str(e))
+if len(train_set) < args.prompts_per_step:
+    p.error(f"the train split has {len(train_set)} examples, fewer than --prompts-per-step {args.prompts_per_step}")
+context = getattr(policy.config, "max_position_embeddings", None) or 10**9
+max_prompt = args.max_prompt_tokens or context - args.max_new_tokens
+if max_prompt < 1 or max_prompt + args.max_new_tokens > context:
+    p.error(f"--max-new-tokens {args.max_new_tokens} + prompt {max_prompt} exceed the model's context of {context} "
+            "tokens: lower --max-new-tokens or --max-prompt-tokens")
 stops = stop_token_ids(tokenizer, policy)
 if args.gradient_checkpointing:
     policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 policy.train()
+try:  # lean.py where its check proves it computes what the model's forward computes
+    use_lean, line = lean.select(args.lean, policy, device)
+except ValueError as e:
+    p.error(str(e))
+if master:
+    print(line)
+decoder = lean.LeanDecoder if use_lean else HFDecoder
+logprobs = lean.token_logprobs if use_lean else token_logprobs
+ref_logprobs = lean.token_logprobs if use_lean and ref is not None and lean.check(ref)[0] else token_logprobs
+share = lean.shared_prompt_rows(args.group_size, args.micro_batch)  # rows of a micro-batch sharing a prompt
 params = [q for q in policy.parameters() if q.requires_grad]
 optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay,
-                              fused=device.type in ("cpu", "cuda"))  # one kernel a tensor: 0.33 -> 0.09 s on CPU
+                              fused=device.type in ("cpu", "cuda"))  # one kernel for all tensors
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
 scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 needs loss scaling
-generator = torch.Generator(device=device).manual_seed(args.seed + 1000 * rank)
 start_step = 0
-if ckpt is not None:
+if ckpt_path is not None:
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
     policy.load_state_dict(ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
     scheduler.load_state_dict(ckpt["scheduler"])
@@ -225,22 +219,33 @@ if ckpt is not None:
         ref.load_state_dict(ckpt["ref"])
     rng = ckpt["rng"][rank]
     torch.set_rng_state(rng["torch"]), random.setstate(rng["python"]), np.random.set_state(rng["numpy"])
-    generator.set_state(rng["generator"])
     start_step = ckpt["step"]
-    if sampler is not policy:
-        sampler.load_state_dict(policy.state_dict())  # the sampling copy follows the resumed policy
     del ckpt
+if master:  # resolved values here; the checkpoint keeps the flags as given, for --resume
+    resolved = {**vars(args), "eps_high": eps_high, "ref_model": args.ref_model or args.model,
+                "max_prompt_tokens": max_prompt, "lean": use_lean}
+    print(json.dumps(resolved, indent=1))
+    with open(os.path.join(args.out_dir, "config.json"), "w") as f:
+        json.dump(resolved, f, indent=1)
 
 
 # -----------------------------------------------------------------------------
 # helpers
 def prompts_for_step(step):
-    """This rank's examples at `step`: a fixed shuffle per epoch, so a resumed run sees the same ones."""
+    """This rank's examples at `step` and their slots in the step: a fixed shuffle per epoch, so a
+    resumed run sees the same ones."""
     per_epoch = len(train_set) // args.prompts_per_step
     epoch, k = divmod(step, per_epoch)
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.seed + epoch))
     start = k * args.prompts_per_step + rank * local_prompts
-    return [train_set[i] for i in order[start:start + local_prompts].tolist()]
+    return [train_set[i] for i in order[start:start + local_prompts].tolist()], range(start, start + local_prompts)
+
+
+def generators(step, slots):
+    """One generator per prompt slot of a step: a prompt's completions do not depend on the number of
+    ranks or on the other prompts of the batch, and a resumed run draws the same numbers."""
+    seed = lambda s: int.from_bytes(hashlib.sha256(f"{args.seed}/{step}/{s}".encode()).digest()[:8], "little")
+    return [torch.Generator().manual_seed(seed(s)) for s in slots]
 
 
 @torch.no_grad()
@@ -259,26 +264,30 @@ def all_reduce(x, op="mean"):
 
 
 def save_checkpoint(step):
-    """Everything needed to continue exactly; written to a temp file and renamed over the old one."""
+    """Everything needed to continue exactly -> None, or why it could not be written (the last good one stays)."""
     state = {"model": policy.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
              "scaler": scaler.state_dict(), "step": step, "config": vars(args),
              "ref": ref.state_dict() if ref is not None and args.ref_sync_every else None}
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(),
-           "generator": generator.get_state()}
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     gathered = [None] * world
     dist.all_gather_object(gathered, rng) if ddp else gathered.__setitem__(0, rng)
-    if master:
-        state["rng"] = gathered
-        path = os.path.join(args.out_dir, "ckpt.pt")
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)  # atomic: a kill mid-save leaves the last good ckpt.pt
+    state["rng"] = gathered
+    return checkpoint.save(state, os.path.join(args.out_dir, "ckpt.pt")) if master else None
 
 
-def run_eval(step, log):
+def write_row(row):
+    """One metrics line; a non-finite value is written as null (JSON has no NaN)."""
+    log.write(json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()})
+              + "\n")
+    log.flush()
+
+
+def run_eval(step):
     if master and test_set:
-        summary, _ = evaluate(sampler, tokenizer, task, test_set, args.max_new_tokens, progress=False, dtype=dtype)
+        summary, _ = evaluate(policy, tokenizer, task, test_set, args.max_new_tokens, progress=False, dtype=dtype,
+                              decoder=decoder)
         print(f"eval step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in summary.items()))
-        log.write(json.dumps({"step": step, **{f"eval/{k}": v for k, v in summary.items()}}) + "\n")
+        write_row({"step": step, **{f"eval/{k}": v for k, v in summary.items()}})
 
 
 # -----------------------------------------------------------------------------
@@ -289,19 +298,22 @@ if master and start_step and os.path.exists(metrics_path):  # drop what was logg
     open(metrics_path, "w").writelines(kept)
 log = open(metrics_path, "a") if master else None
 if start_step == 0 and args.eval_every:
-    run_eval(0, log)
-bad_steps = 0
+    run_eval(0)
+bad_steps, save_failed = 0, None
 for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not master):
     t0 = time.time()
     # 1. rollout: G completions per prompt, groups contiguous
-    examples = prompts_for_step(step)
-    r = sample(sampler, tokenizer, [task.prompt(ex) for ex in examples], args.group_size, args.max_new_tokens,
-               stops, args.temperature, args.top_p, args.top_k, generator, dtype)
+    examples, slots = prompts_for_step(step)
+    r = sample(policy, tokenizer, [task.prompt(ex) for ex in examples], args.group_size, args.max_new_tokens,
+               stops, args.temperature, args.top_p, args.top_k, generators(step, slots), dtype, decoder, max_prompt)
     lengths = r.completion_mask.sum(1)  # (N,)
     t1 = time.time()
     # 2. rewards -> advantages (groups never span ranks; "batch" scale gathers the whole batch)
     fields = {k: [ex[k] for ex in examples for _ in range(args.group_size)] for k in examples[0]}
-    total, per_fn = combine_rewards(task.reward_fns, weights, r.completions, num_tokens=lengths.tolist(), **fields)
+    try:
+        total, per_fn = combine_rewards(task.reward_fns, weights, r.completions, num_tokens=lengths.tolist(), **fields)
+    except RewardError as e:
+        sys.exit(f"error: step {step + 1}: {e}")
     rewards = torch.tensor(total, dtype=torch.float32, device=device)  # (N,)
     all_rewards = rewards
     if ddp:
@@ -313,17 +325,18 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     loss_mask = r.completion_mask * (~r.truncated).long()[:, None] if args.mask_truncated else r.completion_mask
     num_tokens = all_reduce(loss_mask.sum().float()).clamp(min=1)  # per-rank share of the global count (dapo)
     C = r.completion_ids.size(1)
-    # 3. reference (and old-policy) log-probs, no grad, micro-batched; old ones only when mu > 1
+    # 3. reference (and old-policy) log-probs, no grad, micro-batched, in the training pass's numerics
     ref_logp = torch.zeros(N, C, device=device) if ref is not None else None
     old_logp = torch.zeros(N, C, device=device) if args.mu > 1 else None
     with torch.no_grad():
         for rows, ids, mask, c in micro_batches(r, args.micro_batch):
             if ref is not None:
-                ref_logp[rows, :c] = token_logprobs(ref, ids, mask, c, args.temperature, out_device=device,
-                                                    group_size=share)[0]
+                with torch.autocast(ref_device.type, dtype=dtype, enabled=dtype != torch.float32):
+                    ref_logp[rows, :c] = ref_logprobs(ref, ids, mask, c, args.temperature, out_device=device,
+                                                      group_size=share)[0]
             if old_logp is not None:
                 with autocast:
-                    old_logp[rows, :c] = token_logprobs(policy, ids, mask, c, args.temperature, group_size=share)[0]
+                    old_logp[rows, :c] = logprobs(policy, ids, mask, c, args.temperature, group_size=share)[0]
     t2 = time.time()
     # 4. mu optimizer steps on this batch, each accumulating gradients over micro-batches
     stats, n_micro = {}, N // args.micro_batch
@@ -331,8 +344,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
         for rows, ids, mask, c in micro_batches(r, args.micro_batch):
             with autocast:
                 # entropy is logged always; it only enters the loss with --entropy-coef / --top-entropy-quantile
-                logp, entropy = token_logprobs(policy, ids, mask, c, args.temperature, with_entropy=True,
-                                               group_size=share)
+                logp, entropy, _ = logprobs(policy, ids, mask, c, args.temperature, with_entropy=True, group_size=share)
             m_mask = loss_mask[rows, :c]
             loss, metrics = grpo.grpo_loss(
                 logp, None if old_logp is None else old_logp[rows, :c], None if ref is None else ref_logp[rows, :c],
@@ -367,8 +379,6 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
         optimizer.zero_grad(set_to_none=True)
         lr = optimizer.param_groups[0]["lr"]  # the rate this update used; the scheduler now moves on
         scheduler.step()
-    if sampler is not policy:
-        blend_into(sampler, policy)  # keep the sampling copy equal to the policy
     if ref is not None and args.ref_sync_every and (step + 1) % args.ref_sync_every == 0:
         blend_into(ref, policy, args.ref_sync_alpha)  # iterative GRPO (DeepSeekMath §4.2) / TR-DPO soft update
     t3 = time.time()
@@ -376,7 +386,8 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     row = {"loss": sum(stats.pop("loss")) / args.mu, "reward": all_rewards.mean(), "reward_std": all_rewards.std(),
            "frac_zero_std": frac_zero, "completion_len": lengths.float().mean(),
            "completion_len_max": lengths.max().float(), "truncated": r.truncated.float().mean(),
-           "grad_norm": grad_norm, **{f"reward/{k}": torch.tensor(v).mean() for k, v in per_fn.items()}}
+           "prompt_cut": r.prompt_cut.float().mean(), "grad_norm": grad_norm,
+           **{f"reward/{k}": torch.tensor(v).mean() for k, v in per_fn.items()}}
     for k, v in stats.items():
         row[k] = max(v) if k.endswith("_max") or k == "max_dlogp" else min(v) if k.endswith("_min") else sum(v) / len(v)
     op = lambda k: "max" if k.endswith("_max") or k == "max_dlogp" else "min" if k.endswith("_min") else "mean"
@@ -386,23 +397,26 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     row.update(step=step + 1, lr=lr, t_generate=t1 - t0, t_reference=t2 - t1,
                t_train=t3 - t2, t_step=t3 - t0, gen_tok_s=gen_tokens / (t1 - t0))
     if master:
-        log.write(json.dumps(row) + "\n")
-        log.flush()
+        write_row(row)
         tqdm.write(f"step {step + 1}: reward {row['reward']:.3f} loss {row['loss']:.4f} kl {row.get('kl', 0):.4f} "
                    f"len {row['completion_len']:.0f} gen {row['t_generate']:.1f}s ref {row['t_reference']:.1f}s "
                    f"train {row['t_train']:.1f}s")
         if args.log_completions and (step + 1) % args.log_completions == 0:
             tqdm.write(f"--- sample (reward {total[0]:.2f}, gold {examples[0]['answer']}):\n{r.completions[0]}\n---")
     if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-        run_eval(step + 1, log)
+        run_eval(step + 1)
     if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-        save_checkpoint(step + 1)
+        save_failed = save_checkpoint(step + 1)
+        if save_failed:
+            tqdm.write(f"warning: step {step + 1}: {save_failed}")
 
 # -----------------------------------------------------------------------------
 # final eval
 if start_step < args.steps:
-    run_eval(args.steps, log)
+    run_eval(args.steps)
 if master:
     log.close()
 if ddp:
     dist.destroy_process_group()
+if save_failed:
+    sys.exit(f"error: the last checkpoint was not written: {save_failed}")
