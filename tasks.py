@@ -1,8 +1,9 @@
 """
 Tasks: where examples come from, how they are put to the model, and how answers are scored.
 
-A task is five plain things (see `Task`); `TASKS` maps a name to one. To add a task, write a
-`load` and a `prompt`, pick reward fns from rewards.py, and add a line to `TASKS`.
+A task is five plain things and an optional sixth (see `Task`); `TASKS` maps a name to one.
+To add a task, write a `load` and a `prompt`, pick reward fns from rewards.py, and add a line
+to `TASKS`.
 
 - gsm8k: grade-school math word problems (Cobbe et al. 2021, github.com/openai/grade-school-math).
   Read from `--data-dir DIR` / `GSM8K_DIR=DIR` if given, else downloaded once into
