@@ -17,6 +17,7 @@ Answer extraction follows the two references people compare against:
 - flexible: the last number in the text, like lm-eval's "flexible-extract".
 """
 
+import math
 import re
 from fractions import Fraction
 
@@ -39,7 +40,10 @@ def extract_gold(solution_text):
     """
     if "####" not in solution_text:
         raise ValueError(f"no '#### <answer>' line in solution: {solution_text[-80:]!r}")
-    return solution_text.rsplit("####", 1)[1].strip().replace(",", "")
+    gold = solution_text.rsplit("####", 1)[1].strip().replace(",", "")
+    if not gold:
+        raise ValueError(f"nothing after '####' in solution: {solution_text[-80:]!r}")
+    return gold
 
 
 def extract_strict(text):
@@ -147,6 +151,32 @@ def length_reward(target):
     return length
 
 
+def overlong_reward(max_len, buffer):
+    """A reward fn for DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13):
+
+        R(y) = 0                             if |y| <= L_max - L_cache
+             = (L_max - L_cache - |y|) / L_cache   if L_max - L_cache < |y| <= L_max
+             = -1                            if |y| > L_max
+
+    with L_max = max_len, L_cache = buffer and |y| = num_tokens: the completion's generated tokens,
+    its stop token included (what the train loop passes). DAPO sets L_max to the generation limit,
+    so a truncated completion gets -1; a smaller max_len punishes before the limit is reached.
+
+    >>> overlong_reward(48, 16)(["a"] * 4, num_tokens=[32, 33, 40, 49])
+    [0.0, -0.0625, -0.5, -1.0]
+    """
+    if max_len < 1 or not 0 < buffer <= max_len:
+        raise ValueError(f"overlong reward needs max_len >= 1 and 0 < buffer <= max_len, "
+                         f"got max_len={max_len}, buffer={buffer}")
+
+    def overlong(completions, num_tokens=None, **_):
+        if num_tokens is None:
+            raise ValueError("overlong reward needs num_tokens=[...], the generated tokens of each completion")
+        return [0.0 if n <= max_len - buffer else -1.0 if n > max_len else (max_len - buffer - n) / buffer
+                for n in map(float, num_tokens)]
+    return overlong
+
+
 def reward_model_reward(model, tokenizer, batch_size=16, device=None):
     """Turn an `AutoModelForSequenceClassification` (num_labels=1) into a reward fn.
 
@@ -198,7 +228,24 @@ def reward_model_reward(model, tokenizer, batch_size=16, device=None):
 # combining
 
 class RewardError(ValueError):
-    """A reward function failed or returned something unusable; the message names it."""
+    """A reward fn failed or gave a bad value; the one-line message names the fn and the completion."""
+
+
+def _show(text, width=60):
+    """A completion for a one-line message: repr keeps newlines escaped, long text is cut."""
+    return repr(text[:width]) + ("..." if len(text) > width else "")
+
+
+def _first_failure(fn, completions, fields):
+    """(index, exception) of the first completion fn raises on when called on it alone, else None."""
+    n = len(completions)
+    for i in range(n):
+        one = {k: v[i:i + 1] if isinstance(v, (list, tuple)) and len(v) == n else v for k, v in fields.items()}
+        try:
+            fn(completions[i:i + 1], **one)
+        except Exception as e:
+            return i, e
+    return None
 
 
 def combine_rewards(reward_fns, weights, completions, **fields):
@@ -206,6 +253,8 @@ def combine_rewards(reward_fns, weights, completions, **fields):
 
     Every fn needs a weight (0.0 logs it without training on it). Returns
     (total, per_fn) with per_fn[name] the fn's own values, for logging.
+    A fn that raises, or returns the wrong count or a value that is not a finite number, is a
+    RewardError naming the fn and the first completion at fault: a nan would train silently.
     """
     unknown = sorted(set(weights) - set(reward_fns))
     if unknown:
@@ -213,6 +262,13 @@ def combine_rewards(reward_fns, weights, completions, **fields):
     missing = sorted(set(reward_fns) - set(weights))
     if missing:
         raise ValueError(f"no weight for reward(s) {missing}; give each a weight (0 to only log it)")
+    for name, w in weights.items():
+        try:
+            ok = math.isfinite(float(w))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise RewardError(f"weight {name}={w!r} is not a finite number; give reward {name!r} a weight like 1.0")
     n = len(completions)
     for key, values in fields.items():
         if isinstance(values, (list, tuple)) and len(values) != n:
@@ -221,9 +277,30 @@ def combine_rewards(reward_fns, weights, completions, **fields):
     total = [0.0] * n
     per_fn = {}
     for name, fn in reward_fns.items():
-        values = [float(v) for v in fn(completions, **fields)]
-        if len(values) != n:
-            raise ValueError(f"reward {name!r} returned {len(values)} values for {n} completions")
+        try:
+            raw = fn(completions, **fields)
+        except Exception as e:
+            i, e = _first_failure(fn, completions, fields) or (None, e)
+            where = f"completion {i} {_show(completions[i])}" if i is not None else f"the batch of {n}"
+            msg = " ".join(f"{type(e).__name__}: {e}".split())[:200]  # one line, however the fn words it
+            raise RewardError(f"reward {name!r} raised {msg} on {where}; fix the function or its weight") from e
+        try:
+            raw = list(raw)
+        except TypeError:
+            raise RewardError(f"reward {name!r} returned a {type(raw).__name__}, not a list; "
+                              "return one value per completion") from None
+        if len(raw) != n:
+            raise RewardError(f"reward {name!r} returned {len(raw)} values for {n} completions; "
+                              "return one per completion")
+        values = []
+        for i, v in enumerate(raw):
+            try:
+                values.append(float(v))
+            except (TypeError, ValueError):
+                values.append(math.nan)
+            if not math.isfinite(values[-1]):
+                raise RewardError(f"reward {name!r} gave {v!r:.40} for completion {i} {_show(completions[i])}; "
+                                  "return a finite number for every completion")
         per_fn[name] = values
-        total = [t + weights[name] * v for t, v in zip(total, values)]
+        total = [t + float(weights[name]) * v for t, v in zip(total, values)]
     return total, per_fn

@@ -1,8 +1,9 @@
 """
 Tasks: where examples come from, how they are put to the model, and how answers are scored.
 
-A task is five plain things (see `Task`); `TASKS` maps a name to one. To add a task, write a
-`load` and a `prompt`, pick reward fns from rewards.py, and add a line to `TASKS`.
+A task is five plain things and an optional sixth (see `Task`); `TASKS` maps a name to one.
+To add a task, write a `load` and a `prompt`, pick reward fns from rewards.py, and add a line
+to `TASKS`.
 
 - gsm8k: grade-school math word problems (Cobbe et al. 2021, github.com/openai/grade-school-math).
   Read from `--data-dir DIR` / `GSM8K_DIR=DIR` if given, else downloaded once into
@@ -10,12 +11,16 @@ A task is five plain things (see `Task`); `TASKS` maps a name to one. To add a t
 - arith: generated arithmetic ("What is 7 + 5?"), no data files. Small enough that a 135M model
   can show learning on a CPU in minutes: SmolLM2-135M-Instruct greedy gets 0/64 one-digit sums
   with a strict `#### N` line but 32/64 if any final number counts, so the format is learnable.
+- arith_steps: generated three-operand arithmetic ("What is 3 + 4 * 2 - 5?"), worked one
+  calculation a line. Besides the outcome rewards it has `step_rewards`, a reward per line, for
+  process supervision (DeepSeekMath §4.1.3).
 """
 
 import hashlib
 import json
 import os
 import random
+import re
 import tempfile
 import urllib.request
 from pathlib import Path
@@ -32,6 +37,9 @@ SYSTEM_PROMPT = ("Solve the problem step by step. Then give the final answer on 
 # one worked example: without it SmolLM2-135M writes the #### line in ~2% of samples, with it ~11%
 ARITH_SYSTEM_PROMPT = ("Answer the question. End with a final line: #### <number>\n"
                        "Example:\nWhat is 3 + 4?\n3 + 4 = 7\n#### 7")
+
+ARITH_STEPS_SYSTEM_PROMPT = ("Work it out one calculation a line, as: a op b = c. End with a final line: "
+                             "#### <number>\nExample:\nWhat is 2 + 3 * 4?\n3 * 4 = 12\n2 + 12 = 14\n#### 14")
 
 # arith default difficulty: one-digit +, -, *. SmolLM2-135M knows about half of these answers (flexible
 # 0.50, measured) but never writes the #### line (strict 0.00): GRPO can teach the format in minutes.
@@ -57,6 +65,8 @@ class Task(NamedTuple):
     reward_fns: dict          # name -> fn(completions, **fields) -> list[float]
     reward_weights: dict      # name -> default weight (train.py --reward-weights overrides by name)
     score: Callable           # score(completion, example) -> dict for eval.py
+    # step_rewards(completion, example) -> [(char_end, reward), ...], one per step, for process supervision
+    step_rewards: Callable | None = None
 
 
 def _check_split(split):
@@ -109,8 +119,13 @@ def _download(url, path, sha256):
 
 def _read_jsonl(path):
     examples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # bytes, so a bad byte is reported with its line number
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig")  # -sig: a file saved with a BOM reads the same
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}:{lineno}: byte {raw[e.start]:#04x} is not UTF-8; "
+                                "save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
@@ -122,8 +137,13 @@ def _read_jsonl(path):
             except (KeyError, TypeError) as e:
                 raise DataError(f"{path}:{lineno}: expected an object with 'question' and 'answer' ({e!r})") from None
             except ValueError as e:
-                raise DataError(f"{path}:{lineno}: {e}") from None
+                raise DataError(f"{path}:{lineno}: {e}; fix or remove the line") from None
+            if not isinstance(question, str) or not question.strip():
+                raise DataError(f"{path}:{lineno}: 'question' must be a non-empty string, got {question!r:.40}; "
+                                "fix or remove the line")
             examples.append({"question": question, "answer": gold, "solution": solution})
+    if not examples:
+        raise DataError(f"no examples in {path}; {GSM8K_HINT}")
     return examples
 
 
@@ -141,10 +161,23 @@ ARITH_TEST_PERCENT = 80
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
-def _is_test(a, op, b):
-    """Fixed split by a hash of the problem: no test problem is ever in train, whatever n or seed."""
-    h = hashlib.sha256(f"{a}{op}{b}".encode()).digest()
+def _is_test(*problem):
+    """Fixed split by a hash of the problem, e.g. (7, "+", 5): no test problem is ever in train,
+    whatever n or seed."""
+    h = hashlib.sha256("".join(map(str, problem)).encode()).digest()
     return int.from_bytes(h[:4], "little") % 100 < ARITH_TEST_PERCENT
+
+
+def _sample_split(space, split, n, rng):
+    """n distinct problems of `split` from an enumerated space, in rng's order."""
+    pool = [p for p in space if _is_test(*p) == (split == "test")]
+    return rng.sample(pool, min(n, len(pool)))
+
+
+def _check_ops(ops):
+    bad = sorted(set(ops) - set(OPS))
+    if not ops or bad:
+        raise ValueError(f"unknown arith operator(s) {bad}; use a string of {''.join(OPS)}, e.g. '+-'")
 
 
 def load_arith(split, data_dir=None, n=None, digits=ARITH_DIGITS, ops=ARITH_OPS, seed=0):
@@ -158,9 +191,7 @@ def load_arith(split, data_dir=None, n=None, digits=ARITH_DIGITS, ops=ARITH_OPS,
     data_dir is ignored (nothing to read).
     """
     _check_split(split)
-    bad = sorted(set(ops) - set(OPS))
-    if not ops or bad:
-        raise ValueError(f"unknown arith operator(s) {bad}; use a string of {''.join(OPS)}, e.g. '+-'")
+    _check_ops(ops)
     if digits < 1:
         raise ValueError(f"digits must be >= 1, got {digits}")
     n = n if n is not None else (ARITH_N_TEST if split == "test" else ARITH_N_TRAIN)
@@ -169,9 +200,8 @@ def load_arith(split, data_dir=None, n=None, digits=ARITH_DIGITS, ops=ARITH_OPS,
     ops = sorted(set(ops))
     hi = 10 ** digits - 1
     if len(ops) * (hi + 1) ** 2 <= 100_000:  # small space: enumerate it, so the cap is exact
-        space = [(a, op, b) for op in ops for a in range(hi + 1) for b in range(hi + 1)
-                 if not (op == "-" and a < b) and _is_test(a, op, b) == want_test]
-        problems = rng.sample(space, min(n, len(space)))
+        space = [(a, op, b) for op in ops for a in range(hi + 1) for b in range(hi + 1) if not (op == "-" and a < b)]
+        problems = _sample_split(space, split, n, rng)
     else:  # huge space: draw at random, repeats are rare and skipped
         problems, seen = [], set()
         for _ in range(50 * n):  # bounded, in case n is near the split's size
@@ -190,7 +220,72 @@ def arith_prompt(example):
     return [{"role": "system", "content": ARITH_SYSTEM_PROMPT}, {"role": "user", "content": example["question"]}]
 
 # -----------------------------------------------------------------------------
-# scoring, shared by both tasks
+# arith_steps: a ? b ? c, one-digit operands, worked one calculation a line
+
+def _evaluate(a, op1, b, op2, c):
+    """a op1 b op2 c with the usual precedence: `*` first, then left to right."""
+    if op2 == "*" and op1 != "*":
+        return OPS[op1](a, b * c)
+    return OPS[op2](OPS[op1](a, b), c)
+
+
+def load_arith_steps(split, data_dir=None, n=None, ops=ARITH_OPS, seed=0):
+    """n distinct generated problems {"question": "What is 3 + 4 * 2 - 5?", "answer": "6"}.
+
+    Three one-digit operands, two operators from `ops`; answers may be negative. The space is
+    1,000 * len(ops)**2 problems (9,000 for "+-*"), split by hash as in load_arith (~80% test);
+    n defaults as there. `seed` picks which problems and their order. data_dir is ignored.
+    """
+    _check_split(split)
+    _check_ops(ops)
+    n = n if n is not None else (ARITH_N_TEST if split == "test" else ARITH_N_TRAIN)
+    ops = sorted(set(ops))
+    digits = range(10)
+    space = [(a, o1, b, o2, c) for o1 in ops for o2 in ops for a in digits for b in digits for c in digits]
+    return [{"question": "What is {} {} {} {} {}?".format(*p), "answer": str(_evaluate(*p))}
+            for p in _sample_split(space, split, n, random.Random(seed))]
+
+
+def arith_steps_prompt(example):
+    return [{"role": "system", "content": ARITH_STEPS_SYSTEM_PROMPT}, {"role": "user", "content": example["question"]}]
+
+
+NUM = r"\s*(-?\d+)\s*"
+STEP_RE = re.compile(rf"{NUM}([-+*x×]){NUM}={NUM}")  # a op b = c
+FINAL_RE = re.compile(r"\s*#### (-?\d+)")  # #### N, one space as strict-match reads it
+STEP_OPS = {**OPS, "x": OPS["*"], "×": OPS["*"]}
+
+
+def arith_step_rewards(completion, example):
+    """Process rewards: one step per non-empty line, as (char_end, reward) pairs.
+
+    char_end is the exclusive end of the line's text in `completion` (trailing spaces and `\\r`
+    left out), so the reward lands on the step's last character. A line `a op b = c` gets 1.0
+    if the arithmetic is right, `#### N` gets 1.0 if N is the gold answer, any other line 0.0
+    (`####N` too: the outcome rewards read only `#### N`).
+    A step is checked on its own, not for whether it helps: the outcome reward ties the steps
+    to the question. No non-empty line at all: one step, (len(completion), 0.0).
+
+    >>> arith_step_rewards("4 * 2 = 8\\n3 + 8 = 12\\n#### 11", {"answer": "11"})  # 3 + 4 * 2
+    [(9, 1.0), (20, 0.0), (28, 1.0)]
+    """
+    steps = []
+    for m in re.finditer(r"[^\n]+", completion):
+        text = m.group().rstrip()
+        if not text:
+            continue
+        if step := STEP_RE.fullmatch(text):
+            a, op, b, c = step.groups()
+            reward = float(STEP_OPS[op](int(a), int(b)) == int(c))
+        elif final := FINAL_RE.fullmatch(text):
+            reward = float(answers_match(final.group(1), example["answer"]))
+        else:
+            reward = 0.0
+        steps.append((m.start() + len(text), reward))
+    return steps or [(len(completion), 0.0)]
+
+# -----------------------------------------------------------------------------
+# scoring, shared by all tasks
 
 def score(completion, example):
     """What eval.py reports: strict = the final-answer line (`#### N` or `\\boxed{}`) is right,
@@ -210,4 +305,6 @@ TASKS = {
                   {"correct": 1.0, "format": 0.1}, score),
     "arith": Task(load_arith, arith_prompt, {"correct": correctness_reward, "format": format_reward},
                   {"correct": 1.0, "format": 0.1}, score),
+    "arith_steps": Task(load_arith_steps, arith_steps_prompt, {"correct": correctness_reward, "format": format_reward},
+                        {"correct": 1.0, "format": 0.1}, score, arith_step_rewards),
 }

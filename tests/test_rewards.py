@@ -6,9 +6,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
 import rewards
-from rewards import (answers_match, combine_rewards, correctness_reward, extract_answer,
+from rewards import (RewardError, answers_match, combine_rewards, correctness_reward, extract_answer,
                      extract_boxed, extract_flexible, extract_gold, extract_strict, format_reward,
-                     has_final_answer, length_reward, reward_model_reward)
+                     has_final_answer, length_reward, overlong_reward, reward_model_reward)
 
 
 def test_docstring_examples():
@@ -23,6 +23,9 @@ def test_extract_gold():
     assert extract_gold("she owes\n#### -5") == "-5"
     with pytest.raises(ValueError, match="####"):
         extract_gold("no final line here")
+    for empty in ("2 + 2 = 4\n#### ", "####\n", "#### ,"):
+        with pytest.raises(ValueError, match="nothing after '####'"):
+            extract_gold(empty)
 
 
 def test_extract_strict_is_lm_eval_strict_match():
@@ -109,6 +112,27 @@ def test_length_reward_chars_or_tokens():
     assert fn(["abc", "abcde"], num_tokens=[5, 1]) == [0.0, -4.0]  # tokens win when given
 
 
+def test_overlong_reward_dapo_eq13():
+    fn = overlong_reward(48, 16)  # L_max = 48, L_cache = 16: free up to 48 - 16 = 32 tokens
+    assert fn.__name__ == "overlong"
+    # (32 - |y|) / 16 in (32, 48]: 33 -> -1/16, 40 -> -8/16, 48 -> -16/16; past 48 -> -1
+    assert fn(["x"] * 7, num_tokens=[1, 32, 33, 40, 47, 48, 49]) == [0.0, 0.0, -0.0625, -0.5, -0.9375, -1.0, -1.0]
+    assert overlong_reward(4, 4)(["a", "b"], num_tokens=[0, 3]) == [0.0, -0.75]  # buffer = max_len: -|y|/4
+
+
+@pytest.mark.parametrize("max_len, buffer", [(0, 1), (48, 0), (48, -1), (16, 17)])
+def test_overlong_reward_bad_args(max_len, buffer):
+    with pytest.raises(ValueError, match="max_len >= 1 and 0 < buffer <= max_len"):
+        overlong_reward(max_len, buffer)
+
+
+def test_overlong_reward_needs_token_counts():
+    with pytest.raises(ValueError, match="needs num_tokens"):
+        overlong_reward(48, 16)(["a"])
+    with pytest.raises(RewardError, match="'overlong' raised ValueError: overlong reward needs num_tokens"):
+        combine_rewards({"overlong": overlong_reward(48, 16)}, {"overlong": 1.0}, ["a"])
+
+
 def test_combine_rewards_total_and_per_fn():
     fns = {"correct": correctness_reward, "format": format_reward}
     total, per_fn = combine_rewards(fns, {"correct": 1.0, "format": 0.5}, COMPLETIONS, answer=["18"] * 4)
@@ -122,8 +146,10 @@ def test_combine_rewards_errors():
         combine_rewards(fns, {"correct": 1.0, "format": 0.1, "corect": 1.0}, ["#### 1"], answer=["1"])
     with pytest.raises(ValueError, match="no weight"):
         combine_rewards(fns, {"correct": 1.0}, ["#### 1"], answer=["1"])
-    with pytest.raises(ValueError, match="'bad' returned 1 values for 2"):
+    with pytest.raises(RewardError, match="'bad' returned 1 values for 2 completions; return one per"):
         combine_rewards({"bad": lambda c, **_: [0.0]}, {"bad": 1.0}, ["a", "b"])
+    with pytest.raises(RewardError, match="'bad' returned a NoneType, not a list"):
+        combine_rewards({"bad": lambda c, **_: None}, {"bad": 1.0}, ["a", "b"])
     with pytest.raises(ValueError, match="'answer' has 1 values for 2"):
         combine_rewards(fns, {"correct": 1.0, "format": 0.1}, ["a", "b"], answer=["1"])
 
@@ -190,3 +216,46 @@ def test_reward_model_needs_one_label():
     model.config.num_labels = 2
     with pytest.raises(ValueError, match="num_labels=1"):
         reward_model_reward(model, tokenizer)
+
+
+def one_line_error(fns, weights, completions, **fields):
+    with pytest.raises(RewardError) as e:
+        combine_rewards(fns, weights, completions, **fields)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_reward_that_raises_names_itself_and_the_completion():
+    def inverse(completions, answer, **_):
+        return [1 / int(a) for a in answer]
+    fns = {"format": format_reward, "inverse": inverse}
+    msg = one_line_error(fns, {"format": 0.1, "inverse": 1.0}, ["a", "b\nc", "d"], answer=["1", "0", "0"])
+    # index 1 is the first that fails alone; its newline stays escaped
+    assert msg == ("reward 'inverse' raised ZeroDivisionError: division by zero on completion 1 'b\\nc'; "
+                   "fix the function or its weight")
+
+
+def test_reward_that_raises_only_on_the_batch():
+    def batch_of_one_only(completions, **_):
+        if len(completions) > 1:
+            raise RuntimeError("too many\ncompletions")
+        return [0.0]
+    msg = one_line_error({"solo": batch_of_one_only}, {"solo": 1.0}, ["a", "b"])
+    assert msg.startswith("reward 'solo' raised RuntimeError: too many completions on the batch of 2;")
+
+
+@pytest.mark.parametrize("bad, shown", [(float("nan"), "nan"), (float("-inf"), "-inf"), ("abc", "'abc'"),
+                                        (None, "None")])
+def test_non_finite_reward_value_names_fn_index_and_completion(bad, shown):
+    long = "line one\n" + "x" * 100
+    msg = one_line_error({"judge": lambda c, **_: [1.0, bad]}, {"judge": 0.0}, ["ok", long])  # weight 0 still checked
+    assert msg == (f"reward 'judge' gave {shown} for completion 1 {long[:60]!r}...; "
+                   "return a finite number for every completion")
+
+
+@pytest.mark.parametrize("w", [float("nan"), float("inf"), "x", None])
+def test_non_finite_weight_names_it(w):
+    fns = {"correct": correctness_reward, "format": format_reward}
+    msg = one_line_error(fns, {"correct": 1.0, "format": w}, ["#### 1"], answer=["1"])
+    assert msg.startswith(f"weight format={w!r} is not a finite number;")

@@ -1,3 +1,4 @@
+import doctest
 import os
 import re
 from pathlib import Path
@@ -6,9 +7,14 @@ import pytest
 
 import tasks
 from rewards import combine_rewards
-from tasks import (ARITH_SYSTEM_PROMPT, SYSTEM_PROMPT, TASKS, DataError, load_arith, load_gsm8k)
+from tasks import (ARITH_STEPS_SYSTEM_PROMPT, ARITH_SYSTEM_PROMPT, SYSTEM_PROMPT, TASKS, DataError, Task,
+                   arith_step_rewards, load_arith, load_arith_steps, load_gsm8k)
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def test_docstring_examples():
+    assert doctest.testmod(tasks).failed == 0
 
 
 @pytest.fixture
@@ -60,12 +66,38 @@ def test_gsm8k_missing_file_names_path(tmp_path):
     ('{"question": "q2"}', "'question' and 'answer'"),
     ('["q2", "#### 2"]', "'question' and 'answer'"),
     ('{"question": "q2", "answer": "two"}', "####"),
+    ('{"question": "q2", "answer": "1 + 1 = 2\\n#### "}', "nothing after '####'"),
+    ('{"question": "q2", "answer": "####\\n"}', "nothing after '####'"),
+    ('{"question": 7, "answer": "#### 2"}', "'question' must be a non-empty string, got 7"),
+    ('{"question": null, "answer": "#### 2"}', "'question' must be a non-empty string, got None"),
+    ('{"question": " ", "answer": "#### 2"}', "'question' must be a non-empty string"),
 ])
 def test_gsm8k_malformed_line_gives_file_and_line(tmp_path, bad_line, why):
     good = '{"question": "q1", "answer": "1 + 1 = 2\\n#### 2"}'
     (tmp_path / "test.jsonl").write_text(f"{good}\n{bad_line}\n{good}\n")
-    with pytest.raises(DataError, match=f"test.jsonl:2: .*{why}"):
+    with pytest.raises(DataError, match=f"test.jsonl:2: .*{why}") as e:
         load_gsm8k("test", tmp_path)
+    assert "\n" not in str(e.value)
+
+
+def test_gsm8k_bytes_not_utf8_gives_line(tmp_path):
+    good = b'{"question": "q1", "answer": "#### 2"}\n'
+    (tmp_path / "test.jsonl").write_bytes(good + good + b'{"question": "caf\xe9?", "answer": "#### 2"}\n')  # latin-1
+    with pytest.raises(DataError, match=r"test.jsonl:3: byte 0xe9 is not UTF-8; save the file as UTF-8$"):
+        load_gsm8k("test", tmp_path)
+
+
+def test_gsm8k_utf8_with_bom_reads(tmp_path):
+    (tmp_path / "test.jsonl").write_text('\ufeff{"question": "caf\u00e9?", "answer": "#### 2"}\n', encoding="utf-8")
+    assert load_gsm8k("test", tmp_path) == [{"question": "caf\u00e9?", "answer": "2", "solution": "#### 2"}]
+
+
+@pytest.mark.parametrize("text", ["", "\n  \n\n"])
+def test_gsm8k_file_without_examples(tmp_path, text):
+    (tmp_path / "test.jsonl").write_text(text)
+    with pytest.raises(DataError, match=re.escape(f"no examples in {tmp_path / 'test.jsonl'};")) as e:
+        load_gsm8k("test", tmp_path)
+    assert "\n" not in str(e.value)
 
 
 def test_gsm8k_offline_without_copy_says_what_to_do(offline_cache):
@@ -77,7 +109,8 @@ def test_gsm8k_offline_without_copy_says_what_to_do(offline_cache):
     assert not offline_cache.exists() or not any(offline_cache.iterdir())  # nothing half-written
 
 
-def test_gsm8k_download_checks_sha_and_caches(offline_cache, gsm8k_dir, monkeypatch):
+# gsm8k_dir first: offline_cache unsets GSM8K_DIR
+def test_gsm8k_download_checks_sha_and_caches(gsm8k_dir, offline_cache, monkeypatch):
     monkeypatch.setattr(tasks, "GSM8K_URL", gsm8k_dir.as_uri() + "/{split}.jsonl")  # file:// stands in
     assert len(load_gsm8k("test")) == 1319
     assert sorted(p.name for p in offline_cache.iterdir()) == ["test.jsonl"]
@@ -133,13 +166,92 @@ def test_arith_defaults_and_bad_args():
         load_arith("dev")
 
 # -----------------------------------------------------------------------------
+# arith_steps
+
+def parse(question):
+    """(a, op1, b, op2, c) from 'What is 3 + 4 * 2 - 5?'"""
+    a, op1, b, op2, c = question.removeprefix("What is ").removesuffix("?").split()
+    return int(a), op1, int(b), op2, int(c)
+
+
+def test_arith_steps_precedence_by_hand():
+    assert tasks._evaluate(3, "+", 4, "*", 2) == 11  # 3 + 8, not 7 * 2
+    assert tasks._evaluate(1, "-", 2, "*", 3) == -5  # 1 - 6
+    assert tasks._evaluate(2, "*", 3, "-", 4) == 2
+    assert tasks._evaluate(9, "-", 2, "-", 3) == 4  # left to right, not 9 - (-1)
+    assert tasks._evaluate(9, "*", 9, "*", 9) == 729
+
+
+def test_arith_steps_problems():
+    train, test = load_arith_steps("train", n=10**6), load_arith_steps("test", n=10**6)
+    questions = [e["question"] for e in train + test]
+    assert len(questions) == len(set(questions)) == 10 * 10 * 10 * 3 * 3  # the whole space, no repeats
+    assert len(load_arith_steps("test")) == 200 and len(train) >= 1000
+    parts = [parse(q) for q in questions]
+    assert {p[1] for p in parts} == {p[3] for p in parts} == {"+", "-", "*"}
+    assert {p[0] for p in parts} == {p[2] for p in parts} == {p[4] for p in parts} == set(range(10))
+    for e in train + test:
+        assert str(eval(e["question"].removeprefix("What is ").removesuffix("?"))) == e["answer"]  # python's precedence
+    assert min(int(e["answer"]) for e in test) == -81  # 0 - 9 * 9
+
+
+def test_arith_steps_split_and_seed():
+    assert load_arith_steps("train", seed=3) == load_arith_steps("train", seed=3)
+    assert load_arith_steps("test", seed=3) != load_arith_steps("test", seed=4)
+    tests = [{e["question"] for e in load_arith_steps("test", n=10**6, seed=s)} for s in range(2)]
+    trains = [{e["question"] for e in load_arith_steps("train", n=10**6, seed=s)} for s in range(2)]
+    assert tests[0] == tests[1] and trains[0] == trains[1]  # the seed never moves the split
+    assert not tests[0] & trains[0]
+    assert {parse(e["question"])[1] for e in load_arith_steps("test", ops="+")} == {"+"}
+    with pytest.raises(ValueError, match="operator"):
+        load_arith_steps("train", ops="+/")
+
+
+CHAIN = "4 * 2 = 8\n3 + 8 = 11\n11 - 5 = 6\n#### 6"  # 3 + 4 * 2 - 5
+
+
+@pytest.mark.parametrize("completion, gold, steps", [
+    # line ends: 9 chars, then 10 + 10, 21 + 10, 32 + 6
+    (CHAIN, "6", [(9, 1.0), (20, 1.0), (31, 1.0), (38, 1.0)]),
+    ("4 * 2 = 8\n3 + 8 = 12\n12 - 5 = 7\n#### 7", "6", [(9, 1.0), (20, 0.0), (31, 1.0), (38, 0.0)]),  # one slip
+    (CHAIN.replace("#### 6", "#### 5"), "6", [(9, 1.0), (20, 1.0), (31, 1.0), (38, 0.0)]),  # wrong final answer
+    # "Let me think." 0-13, blank, "4*2=8" 15-20, spaces only, "So the answer is 6" 24-42, "#### 6" 43-49
+    ("Let me think.\n\n4*2=8\n  \nSo the answer is 6\n#### 6\n", "6", [(13, 0.0), (20, 1.0), (42, 0.0), (49, 1.0)]),
+    # windows newlines and trailing spaces are not part of a step: "4 x 2 = 8" 0-9, "3 + 8 = 11" 13-23, "#### 11" 25-32
+    ("4 x 2 = 8  \r\n3 + 8 = 11\r\n#### 11 \r\n", "11", [(9, 1.0), (23, 1.0), (32, 1.0)]),
+    # negatives and x: 0-10, 11-23, 24-34, 35-43
+    ("0 - 9 = -9\n-9 \u00d7 9 = -81\n3 - -2 = 5\n#### -81", "-81", [(10, 1.0), (23, 1.0), (34, 1.0), (43, 1.0)]),
+    # text around a calculation, ####N without the space, an answer with words: none is a step we can check
+    ("so 4 * 2 = 8\n4 * 2 = 8 apples\n####6\n#### 6 apples", "6", [(12, 0.0), (29, 0.0), (35, 0.0), (49, 0.0)]),
+    ("", "6", [(0, 0.0)]),
+    (" \n\n", "6", [(3, 0.0)]),  # no step at all: one, at the end
+])
+def test_arith_step_rewards(completion, gold, steps):
+    got = arith_step_rewards(completion, {"question": "q", "answer": gold})
+    assert got == steps
+    for end, _ in got if completion.strip() else []:  # each step ends on its last visible character
+        assert not completion[end - 1].isspace() and (end == len(completion) or completion[end].isspace())
+
+
+def test_arith_steps_prompt_example_is_all_right():
+    example = ARITH_STEPS_SYSTEM_PROMPT.split("Example:\n")[1]
+    question, worked = example.split("\n", 1)
+    gold = str(eval(question.removeprefix("What is ").removesuffix("?")))
+    assert [r for _, r in arith_step_rewards(worked, {"answer": gold})] == [1.0, 1.0, 1.0]
+    assert TASKS["arith_steps"].score(worked, {"answer": gold})["strict"]
+
+# -----------------------------------------------------------------------------
 # the task table
 
 def test_tasks_table():
-    assert set(TASKS) == {"gsm8k", "arith"}
+    assert set(TASKS) == {"gsm8k", "arith", "arith_steps"}
     for task in TASKS.values():
         assert set(task.reward_weights) == set(task.reward_fns)
-    assert TASKS["gsm8k"].reward_weights is not TASKS["arith"].reward_weights  # editing one leaves the other
+    weights = [id(task.reward_weights) for task in TASKS.values()]
+    assert len(set(weights)) == len(weights)  # editing one task's weights leaves the others
+    assert TASKS["arith_steps"].step_rewards is arith_step_rewards
+    assert TASKS["gsm8k"].step_rewards is None and TASKS["arith"].step_rewards is None
+    assert Task(*range(5)).step_rewards is None  # five-field tasks still build
 
 
 def test_prompts_are_chat_messages():
@@ -147,7 +259,8 @@ def test_prompts_are_chat_messages():
     assert TASKS["gsm8k"].prompt(example) == [{"role": "system", "content": SYSTEM_PROMPT},
                                               {"role": "user", "content": "What is 1 + 2?"}]
     assert TASKS["arith"].prompt(example)[0]["content"] == ARITH_SYSTEM_PROMPT
-    assert "#### <number>" in SYSTEM_PROMPT and "#### <number>" in ARITH_SYSTEM_PROMPT
+    assert TASKS["arith_steps"].prompt(example)[0]["content"] == ARITH_STEPS_SYSTEM_PROMPT
+    assert all("#### <number>" in p for p in (SYSTEM_PROMPT, ARITH_SYSTEM_PROMPT, ARITH_STEPS_SYSTEM_PROMPT))
 
 
 @pytest.mark.parametrize("completion, pred, strict, flexible, fmt", [
@@ -170,3 +283,12 @@ def test_task_rewards_combine():
     total, per_fn = combine_rewards(task.reward_fns, task.reward_weights, completions,
                                     answer=[e["answer"] for e in examples])
     assert total == pytest.approx([1.1, 0.0]) and per_fn["format"] == [1.0, 0.0]
+
+
+def test_arith_steps_rewards_combine():
+    task = TASKS["arith_steps"]
+    example = {"question": "What is 3 + 4 * 2 - 5?", "answer": "6"}
+    completions = [CHAIN, CHAIN.replace("#### 6", "#### 5"), "6"]
+    total, _ = combine_rewards(task.reward_fns, task.reward_weights, completions, num_tokens=[20, 20, 1],
+                               **{k: [v] * 3 for k, v in example.items()})
+    assert total == pytest.approx([1.1, 0.1, 0.0])  # correct + 0.1 format, format only, neither
