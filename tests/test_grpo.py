@@ -9,8 +9,9 @@ import torch
 from torch.distributions import Categorical, kl_divergence
 
 import grpo
-from grpo import (LOSS_TYPES, aggregate, clipped_surrogate, entropy_from_logits, full_kl,
-                  group_advantages, grpo_loss, importance_ratio, kl_estimate, process_advantages, top_entropy_mask)
+from grpo import (KL_DEFAULT, LOSS_TYPES, aggregate, behaviour_weights, clipped_surrogate, entropy_from_logits,
+                  full_kl, group_advantages, grpo_loss, importance_ratio, informative_groups, kl_estimate,
+                  process_advantages, top_entropy_mask)
 
 F64 = dict(dtype=torch.float64)
 
@@ -69,6 +70,17 @@ def test_group_advantages_zero_variance_group_is_exactly_zero(scale):
     assert torch.equal(adv[:3], torch.zeros(3, **F64))
     assert adv[3:].abs().min() > 0
     assert frac.item() == 0.5
+
+
+def test_informative_groups_hand_example_and_agrees_with_group_advantages():
+    # groups of 3: all 1 (solved), mixed, three 0.1s (flat, though their float mean is not 0.1), all 0
+    r = torch.tensor([1.0, 1, 1, 0, 1, 0, 0.1, 0.1, 0.1, 0, 0, 0], **F64)
+    keep = informative_groups(r, 3)
+    assert keep.tolist() == [False, True, False, False]
+    adv, frac = group_advantages(r, 3)
+    assert frac.item() == 0.75  # 3 of 4 groups flat = 1 - keep.float().mean()
+    assert torch.equal(adv.view(4, 3)[~keep], torch.zeros(3, 3, **F64))
+    assert (adv.view(4, 3)[keep] != 0).all()
 
 
 def test_process_advantages_hand_example():
@@ -133,6 +145,45 @@ def test_k1_k2_hand_values():
     torch.testing.assert_close(kl_estimate(logp, ref), torch.tensor([math.exp(-0.5) + 0.5 - 1, math.e - 2], **F64))
 
 
+def test_k3_clamped_hand_values_and_gradient():
+    # x = ref - logp; k3 = e^x - x - 1, d k3 / d logp = -(e^x - 1); clamped: x to [-20, 20], value to <= 10
+    #   x = 0    -> 0,                          grad 0
+    #   x = 0.5  -> e^0.5 - 1.5 = 0.1487213,    grad -(e^0.5 - 1) = -0.6487213
+    #   x = 2    -> e^2 - 3 = 4.3890561,        grad -(e^2 - 1) = -6.3890561
+    #   x = -5   -> e^-5 + 4 = 4.0067379,       grad 1 - e^-5 = 0.9932621
+    #   x = 25   -> clamp to 20: e^20 - 21 ~ 4.9e8 -> 10, grad 0
+    #   x = -30  -> clamp to -20: 19 + e^-20 -> 10,      grad 0
+    x = torch.tensor([0.0, 0.5, 2, -5, 25, -30], **F64)
+    logp = torch.full_like(x, -1.0, requires_grad=True)
+    k = kl_estimate(logp, logp.detach() + x, "k3_clamped")
+    e = math.exp
+    torch.testing.assert_close(k, torch.tensor([0, e(0.5) - 1.5, e(2) - 3, e(-5) + 4, 10, 10], **F64))
+    grad, = torch.autograd.grad(k.sum(), logp)
+    torch.testing.assert_close(grad, torch.tensor([0, 1 - e(0.5), 1 - e(2), 1 - e(-5), 0, 0], **F64))
+    assert KL_DEFAULT == "k3_clamped"
+    # equal to plain k3 wherever neither clamp binds (-11 < x < 2.61)
+    small = torch.linspace(-10.9, 2.6, 101, **F64)
+    torch.testing.assert_close(kl_estimate(-small, torch.zeros_like(small), "k3_clamped"),
+                               kl_estimate(-small, torch.zeros_like(small), "k3"), rtol=0, atol=0)
+    # fp32, x = 100: plain k3 overflows to inf, the clamped one stays finite with a finite gradient
+    lp32 = torch.tensor([-100.0], requires_grad=True)
+    assert torch.isinf(kl_estimate(lp32, torch.zeros(1), "k3")).all()
+    k32 = kl_estimate(lp32, torch.zeros(1), "k3_clamped")
+    assert k32.item() == 10 and torch.autograd.grad(k32.sum(), lp32)[0].item() == 0
+
+
+def test_full_kl_on_one_row_chunks_with_grad():
+    # the log-prob pass calls full_kl on (1, n, V) slices of the logits with grad enabled
+    torch.manual_seed(0)
+    logits = torch.randn(3, 4, 6, **F64, requires_grad=True)
+    ref = torch.randn(3, 4, 6, **F64)
+    got = torch.cat([full_kl(logits[i:i + 1], ref[i:i + 1], chunk_size=3) for i in range(3)])  # (3, 4)
+    want = kl_divergence(Categorical(logits=logits), Categorical(logits=ref))
+    torch.testing.assert_close(got, want)
+    assert got.requires_grad
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), logits)[0], torch.autograd.grad(want.sum(), logits)[0])
+
+
 @pytest.mark.parametrize("chunk_size", [1, 3, 1000])
 def test_full_kl_matches_torch_distributions(chunk_size):
     torch.manual_seed(0)
@@ -170,6 +221,72 @@ def test_top_entropy_mask_keeps_top_fraction_of_valid_tokens():
     assert keep.sum() == 3 and torch.equal(h[keep].sort().values, torch.tensor([7.0, 8, 9], **F64))
     assert torch.equal(top_entropy_mask(h, mask, 1.0), mask)
     assert torch.equal(top_entropy_mask(h, mask, 0.2), (h >= 8) & mask)
+
+
+# -----------------------------------------------------------------------------
+# sampler/trainer mismatch
+
+# d = train_logp - sample_logp on a 2x3 batch, row 1 has 2 valid tokens (cap = 2):
+#   token ratios e^d:  [e^0.5 = 1.6487213, e^-1 = 0.3678794, e^1 = 2.7182818] | [e^0.2 = 1.2214028, e^3 = 20.09, pad]
+#   sequence ratios e^(sum of d): row 0 e^0.5 = 1.6487213 (GSPO's mean would give e^(0.5/3)), row 1 e^3.2 = 24.53
+_D = [[0.5, -1.0, 1.0], [0.2, 3.0, 0.0]]
+_E = math.exp
+_WANT = {  # (cap_min, weights, fraction of the 5 valid tokens capped or masked)
+    "none": (None, [[1, 1, 1], [1, 1, 1]], 0.0),
+    "token_truncate": (None, [[_E(0.5), _E(-1), 2], [_E(0.2), 2, 1]], 2 / 5),
+    "token_mask": (None, [[_E(0.5), _E(-1), 0], [_E(0.2), 0, 1]], 2 / 5),
+    "sequence_truncate": (None, [[_E(0.5)] * 3, [2, 2, 1]], 2 / 5),
+    "sequence_mask": (None, [[_E(0.5)] * 3, [0, 0, 1]], 2 / 5),
+    # a lower bound of 0.5 also catches e^-1 = 0.37
+    "token_truncate_min": (0.5, [[_E(0.5), 0.5, 2], [_E(0.2), 2, 1]], 3 / 5),
+    "token_mask_min": (0.5, [[_E(0.5), 0, 0], [_E(0.2), 0, 1]], 3 / 5),
+}
+
+
+@pytest.mark.parametrize("case", list(_WANT))
+def test_behaviour_weights_hand_example(case):
+    cap_min, want, capped = _WANT[case]
+    train = torch.tensor([[-1.0, -2, -0.5], [-3, -0.1, -2]], **F64, requires_grad=True)
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    sample = train.detach() - torch.tensor(_D, **F64)
+    sample[1, 2] = math.nan  # padding garbage must reach neither weights nor metrics
+    w, m = behaviour_weights(train, sample, mask, case.removesuffix("_min"), cap=2.0, cap_min=cap_min)
+    torch.testing.assert_close(w, torch.tensor(want, **F64))
+    assert not w.requires_grad and all(v.dim() == 0 and not v.requires_grad for v in m.values())
+    # |d| on valid tokens: 0.5, 1, 1, 0.2, 3 -> mean 5.7 / 5 = 1.14, max 3,
+    # p99 (linear, sorted 0.2 0.5 1 1 3): position 0.99 * 4 = 3.96 -> 1 + 0.96 * (3 - 1) = 2.92
+    assert m["is_capped"].item() == pytest.approx(capped)
+    torch.testing.assert_close(m["dlogp_mean"], torch.tensor(1.14, **F64))
+    torch.testing.assert_close(m["dlogp_p99"], torch.tensor(2.92, **F64))
+    assert m["dlogp_max"].item() == 3.0
+
+
+def test_behaviour_weights_all_masked_gives_finite_metrics():
+    w, m = behaviour_weights(torch.zeros(2, 3), torch.full((2, 3), math.nan), torch.zeros(2, 3, dtype=torch.bool))
+    assert torch.equal(w, torch.ones(2, 3)) and all(v.item() == 0 for v in m.values())
+
+
+def test_behaviour_weights_multiply_the_policy_term_only():
+    logp, old, ref, adv, mask, _ = _batch()
+    logp.requires_grad_()
+    w = (0.5 + torch.rand(logp.shape, generator=torch.Generator().manual_seed(1), **F64)).requires_grad_()
+    loss, _ = grpo_loss(logp, old, ref, adv, mask, beta=0.1, kl_estimator="k3", behaviour_weights=w)
+    # written out: (1/N) sum_i (1/|o_i|) sum_t [-min(r A, clip(r, 0.8, 1.2) A) w + 0.1 (e^x - x - 1)]
+    want, lp = 0.0, logp.detach()
+    for i in range(6):
+        L = int(mask[i].sum())
+        row = 0.0
+        for t in range(L):
+            r, a, x = math.exp(lp[i, t] - old[i, t]), adv[i].item(), (ref[i, t] - lp[i, t]).item()
+            row += -min(r * a, min(max(r, 0.8), 1.2) * a) * w[i, t].item() + 0.1 * (math.exp(x) - x - 1)
+        want += row / L / 6
+    assert loss.item() == pytest.approx(want, rel=1e-12)
+    g_logp, g_w = torch.autograd.grad(loss, (logp, w), allow_unused=True)
+    assert g_w is None  # the weights are used detached
+    # weight 0 everywhere leaves exactly the KL term's gradient
+    zero, _ = grpo_loss(logp, old, ref, adv, mask, beta=0.1, kl_estimator="k3", behaviour_weights=torch.zeros_like(w))
+    kl_only, _ = grpo_loss(logp, old, ref, torch.zeros_like(adv), mask, beta=0.1, kl_estimator="k3")
+    torch.testing.assert_close(torch.autograd.grad(zero, logp)[0], torch.autograd.grad(kl_only, logp)[0])
 
 
 # -----------------------------------------------------------------------------
@@ -347,6 +464,69 @@ def test_kl_entropy_terms_and_metrics():
     assert "kl" not in grpo_loss(logp, old, None, adv, mask)[1]
 
 
+def test_kl_max_metric_and_default_estimator():
+    # x = ref - logp on valid tokens: 0.5, -1, 2 | 25; k3 = 0.1487, 0.3679, 4.3891 | ~7.2e10
+    logp = torch.tensor([[-1.0, -1, -1], [-1, -1, -1]], **F64)
+    ref = logp + torch.tensor([[0.5, -1, 2], [25, 99, 99]], **F64)  # x = 99 is padding
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    k3 = [math.exp(0.5) - 1.5, math.exp(-1), math.exp(2) - 3, math.exp(25) - 26]
+    _, m = grpo_loss(logp, None, ref, torch.zeros(2, **F64), mask, beta=0.1, kl_estimator="k3")
+    assert m["kl_max"].item() == pytest.approx(k3[3]) and m["kl"].item() == pytest.approx(sum(k3) / 4)
+    # the default (k3_clamped) caps x = 25 at 10, so the max is 10 and the mean (k3[:3] + 10) / 4
+    _, m = grpo_loss(logp, None, ref, torch.zeros(2, **F64), mask, beta=0.1)
+    assert m["kl_max"].item() == 10 and m["kl"].item() == pytest.approx((sum(k3[:3]) + 10) / 4)
+    _, m = grpo_loss(logp, None, ref, torch.zeros(2, **F64), torch.zeros_like(mask), beta=0.1)
+    assert m["kl_max"].item() == 0 and m["kl"].item() == 0
+
+
+def test_full_kl_in_loss_matches_naive_formula():
+    torch.manual_seed(0)
+    N, T, V = 4, 5, 7
+    logits0, ref_logits = torch.randn(N, T, V, **F64), torch.randn(N, T, V, **F64)
+    tokens = torch.randint(V, (N, T))
+    mask = torch.arange(T)[None] < torch.tensor([[5], [2], [4], [1]])
+    old = torch.randn(N, T, **F64).mul(0.3) + logits0.log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+    adv = torch.randn(N, **F64)
+
+    logits = logits0.clone().requires_grad_()
+    logp = logits.log_softmax(-1).gather(-1, tokens[..., None])[..., 0]  # (N, T)
+    kl = torch.cat([full_kl(logits[i:i + 1], ref_logits[i:i + 1], chunk_size=2) for i in range(N)])  # (N, T)
+    loss, m = grpo_loss(logp, old, None, adv, mask, beta=0.2, kl_estimator="full", kl=kl)
+    grad, = torch.autograd.grad(loss, logits)
+
+    # naive: everything on the full (N, T, V) tensor, sequence-mean then batch-mean ("grpo")
+    naive = logits0.clone().requires_grad_()
+    lq, lq_ref = naive.log_softmax(-1), ref_logits.log_softmax(-1)  # (N, T, V)
+    kl_n = (lq.exp() * (lq - lq_ref)).sum(-1)  # (N, T)
+    r = (lq.gather(-1, tokens[..., None])[..., 0] - old).exp()  # (N, T)
+    a = adv[:, None]
+    per_token = -torch.minimum(r * a, r.clamp(0.8, 1.2) * a) + 0.2 * kl_n
+    want = ((per_token * mask).sum(1) / mask.sum(1)).mean()
+    torch.testing.assert_close(loss, want)
+    torch.testing.assert_close(grad, torch.autograd.grad(want, naive)[0])
+    torch.testing.assert_close(m["kl"], kl_n[mask].mean())
+    torch.testing.assert_close(m["kl_max"], kl_n[mask].max())
+
+
+def test_padding_garbage_in_full_kl_and_behaviour_weights_is_ignored():
+    logp, old, _, adv, mask, _ = _batch()
+    kl = torch.rand(logp.shape, generator=torch.Generator().manual_seed(2), **F64)
+    w = 0.5 + torch.rand(logp.shape, generator=torch.Generator().manual_seed(3), **F64)
+
+    def run(kl, w):
+        lp, kl = logp.clone().requires_grad_(), kl.clone().requires_grad_()
+        loss, m = grpo_loss(lp, old, None, adv, mask, beta=0.1, kl_estimator="full", kl=kl, behaviour_weights=w)
+        return loss, torch.autograd.grad(loss, (lp, kl)), m
+
+    loss, grads, m = run(kl, w)
+    loss2, grads2, m2 = run(torch.where(mask, kl, math.nan), torch.where(mask, w, math.inf))
+    torch.testing.assert_close(loss2, loss)
+    for g, g2 in zip(grads, grads2):
+        torch.testing.assert_close(g2, g)
+    for k in m:
+        torch.testing.assert_close(m2[k], m[k])
+
+
 def test_top_entropy_quantile_applies_to_policy_term_only():
     logp, old, ref, adv, mask, ent = _batch()
     logp.requires_grad_()
@@ -383,7 +563,7 @@ BAD = [
     (lambda: process_advantages(torch.zeros(3, 2), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2).bool(), 2, 4),
      "divisible by group_size"),
     (lambda: process_advantages(torch.zeros(2, 2), torch.tensor([[0, 4], [0, 1]]), _m[:, :2], 2, 4), "step_ends"),
-    (lambda: kl_estimate(_x, _x, "k4"), r"kl_estimator must be one of \('k1', 'k2', 'k3'\)"),
+    (lambda: kl_estimate(_x, _x, "k4"), r"kl_estimator must be one of \('k1', 'k2', 'k3', 'k3_clamped', 'full'\)"),
     (lambda: aggregate(_x, _m, "sum"), r"loss_type must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo'\)"),
     (lambda: aggregate(_x, _m, "dr_grpo", max_len=2), "max_len"),
     (lambda: aggregate(_x, _m[:, :2], "grpo"), "mask must have shape"),
@@ -401,6 +581,17 @@ BAD = [
     (lambda: grpo_loss(_x, None, None, torch.zeros(2), _m, importance_level="x"), r"importance_level must be one of"),
     (lambda: grpo_loss(_x, None, None, torch.zeros(2), _m, entropy_coef=0.1), "entropy is required"),
     (lambda: grpo_loss(_x, None, None, torch.zeros(2), _m, top_entropy_quantile=0.5), "entropy is required"),
+    (lambda: kl_estimate(_x, _x, "full"), "kl_estimator='full' needs logits"),
+    (lambda: grpo_loss(_x, None, None, torch.zeros(2), _m, beta=0.1, kl_estimator="full"), "'full' needs kl="),
+    (lambda: grpo_loss(_x, None, _x, torch.zeros(2), _m, beta=0.1, kl=_x), "kl is read only with kl_estimator='full'"),
+    (lambda: grpo_loss(_x, None, None, torch.zeros(2), _m, kl_estimator="full", kl=_x[:1]), "kl must have shape"),
+    (lambda: grpo_loss(_x, None, None, torch.zeros(2), _m, behaviour_weights=_x[:, :2]), "behaviour_weights must have"),
+    (lambda: behaviour_weights(_x, _x, _m, "tis"), r"behaviour_mode must be one of \('none', 'token_truncate'"),
+    (lambda: behaviour_weights(_x, _x[:1], _m), "sample_logp must have shape"),
+    (lambda: behaviour_weights(_x, _x, _m[:1]), "mask must have shape"),
+    (lambda: behaviour_weights(_x, _x, _m, cap=2.0, cap_min=2.0), r"cap_min \(2.0\) must be < cap"),
+    (lambda: informative_groups(torch.zeros(5), 2), "divisible by group_size"),
+    (lambda: informative_groups(torch.zeros(4, 1), 2), "rewards must have shape"),
 ]
 
 
@@ -414,3 +605,5 @@ def test_beta_zero_needs_no_reference():
     logp, old, _, adv, mask, _ = _batch()
     loss, m = grpo_loss(logp, old, None, adv, mask, beta=0.0)
     assert torch.isfinite(loss) and "kl" not in m
+    # nor does the full-vocabulary estimator need its kl then
+    assert torch.equal(grpo_loss(logp, old, None, adv, mask, kl_estimator="full")[0], loss)
