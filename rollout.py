@@ -183,7 +183,7 @@ def _sample(model, tokenizer, prompts, G, max_new_tokens, stop_ids, temperature,
     if max_prompt_tokens is not None:
         seqs = [s[-max_prompt_tokens:] for s in seqs]
     ids, mask = (t.to(device) for t in left_pad(seqs, pad_id))  # (B, P)
-    B, N = ids.size(0), ids.size(0) * G
+    N = ids.size(0) * G
     # one uniform per row and token, drawn up front (per prompt when given a generator per prompt)
     gens = generator if isinstance(generator, (list, tuple)) else None
     u = torch.cat([torch.rand(G, max_new_tokens, generator=g, device=g.device) for g in gens]) if gens else \
@@ -222,6 +222,46 @@ def _sample(model, tokenizer, prompts, G, max_new_tokens, stop_ids, temperature,
                    group=torch.arange(N, device=device) // G, completions=texts,
                    sample_logp=logps.masked_fill(completion_mask == 0, 0.0),
                    prompt_cut=cut.repeat_interleave(G, 0).to(device))
+
+
+def concat(rollouts, rows=None):
+    """Rollouts (prompts and completions of different widths) -> one Rollout: prompts re-padded on the left,
+    completions on the right (masked, log-prob 0). rows: for each rollout, the row indices to keep."""
+    rows = rows or [torch.arange(r.prompt_ids.size(0)) for r in rollouts]
+    P = max(r.prompt_ids.size(1) for r in rollouts)
+    C = max(r.completion_ids.size(1) for r in rollouts)
+    left = lambda t, w: F.pad(t, (w - t.size(1), 0))
+    right = lambda t, w: F.pad(t, (0, w - t.size(1)))
+    pick = lambda f: [f(r)[i] for r, i in zip(rollouts, rows)]
+    cat = lambda f: torch.cat(pick(f))
+    texts = [r.completions[j] for r, i in zip(rollouts, rows) for j in i.tolist()]
+    groups = torch.cat([r.group[i] + k * len(r.completions) for k, (r, i) in enumerate(zip(rollouts, rows))])
+    group = torch.unique_consecutive(groups, return_inverse=True)[1]  # (N,) renumbered 0, 0, .., 1, 1, ..
+    return Rollout(prompt_ids=cat(lambda r: left(r.prompt_ids, P)), prompt_mask=cat(lambda r: left(r.prompt_mask, P)),
+                   completion_ids=cat(lambda r: right(r.completion_ids, C)),
+                   completion_mask=cat(lambda r: right(r.completion_mask, C)), truncated=cat(lambda r: r.truncated),
+                   group=group, completions=texts, sample_logp=cat(lambda r: right(r.sample_logp, C)),
+                   prompt_cut=cat(lambda r: r.prompt_cut))
+
+
+def token_ends(tokenizer, completion_ids, length, char_ends):
+    """Character offsets in a decoded completion -> the index of the token each one falls in.
+
+    completion_ids (C,) of one row, length: its tokens before the stop token, char_ends: exclusive
+    ends of pieces of the text (as rollout.sample decodes it) -> list of token indices in [0, length),
+    the first token whose decoded prefix reaches the offset. Decoding prefixes is exact whatever the
+    tokenizer does to bytes and spaces.
+    """
+    ids = completion_ids[:length].tolist()
+    decoded = lambda k: len(tokenizer.decode(ids[:k], skip_special_tokens=True))
+    out = []
+    for end in char_ends:
+        lo, hi = 1, max(length, 1)
+        while lo < hi:  # smallest k with decoded(k) >= end
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if decoded(mid) < end else (lo, mid)
+        out.append(max(lo - 1, 0))
+    return out
 
 
 def micro_batches(r, size):

@@ -18,7 +18,6 @@ Where the defaults depart from the paper (grpo.py's docstring lists the variants
 """
 
 import argparse
-import hashlib
 import json
 import math
 import os
@@ -31,14 +30,17 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import batch
 import checkpoint
 import cli
 import grpo
 import lean
+import rollout
 from eval import evaluate
+from metrics import TRACKERS, MetricsLog, check_tracker
 from models import DTYPES, ModelError, check_dtype, load_model, load_tokenizer, resolve_device, stop_token_ids
-from rewards import RewardError, combine_rewards
-from rollout import HFDecoder, micro_batches, sample, token_logprobs
+from rewards import RewardError, combine_rewards, overlong_reward
+from rollout import micro_batches, sample
 from tasks import TASKS, DataError
 
 # -----------------------------------------------------------------------------
@@ -72,6 +74,9 @@ g.add_argument("--max-prompt-tokens", type=int, default=None,
 g.add_argument("--temperature", type=float, default=1.0)
 g.add_argument("--top-p", type=float, default=1.0)
 g.add_argument("--top-k", type=int, default=0, help="0 = off")
+g.add_argument("--dynamic-sampling", action="store_true",
+               help="DAPO: drop groups whose rewards are all equal and sample more prompts in their place")
+g.add_argument("--max-resample", type=int, default=4, help="with --dynamic-sampling: extra rollouts a step, at most")
 # --- optimisation
 g = p.add_argument_group("optimisation")
 g.add_argument("--steps", type=int, default=100, help="generation batches")
@@ -83,7 +88,8 @@ g.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm; 0 = 
 # --- the GRPO objective (grpo.py)
 g = p.add_argument_group("the GRPO objective (grpo.py)")
 g.add_argument("--beta", type=float, default=0.04, help="KL coefficient; 0 = no reference model loaded")
-g.add_argument("--kl-estimator", default="k3", choices=grpo.KL_ESTIMATORS)
+g.add_argument("--kl-estimator", default=grpo.KL_DEFAULT, choices=grpo.KL_ESTIMATORS,
+               help="k3_clamped: the paper's k3 with the log-ratio bounded (cannot overflow); full: exact, whole vocabulary")
 g.add_argument("--loss-type", default="grpo", choices=grpo.LOSS_TYPES)
 g.add_argument("--scale-rewards", default="group", choices=grpo.SCALES, help="none = Dr. GRPO")
 g.add_argument("--eps", type=float, default=0.2, help="clip epsilon (low)")
@@ -95,6 +101,14 @@ g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
 g.add_argument("--top-entropy-quantile", type=float, default=1.0, help="train only the top-rho entropy tokens")
 g.add_argument("--ref-sync-every", type=int, default=0, help="every N steps mix the policy into the reference; 0 = never")
 g.add_argument("--ref-sync-alpha", type=float, default=1.0, help="ref = alpha*policy + (1-alpha)*ref; 1 = reset")
+g.add_argument("--is-mode", default="token_truncate", choices=grpo.BEHAVIOUR_MODES,
+               help="correct for the sampler/trainer mismatch: policy term times min(pi_train / pi_sample, --is-cap)")
+g.add_argument("--is-cap", type=float, default=2.0, help="cap on the importance weight pi_train / pi_sample")
+g.add_argument("--supervision", default="outcome", choices=["outcome", "process"],
+               help="process: per-step rewards of the task (arith_steps) -> per-token advantages (DeepSeekMath 4.1.3)")
+g.add_argument("--overlong-buffer", type=int, default=0,
+               help="DAPO soft overlong punishment over the last N of --max-new-tokens; 0 = off")
+g.add_argument("--overlong-weight", type=float, default=1.0, help="weight of the overlong reward")
 g.add_argument("--reward-weights", default=None, help="e.g. correct=1,format=0.1 (default: the task's)")
 # --- run
 g = p.add_argument_group("run")
@@ -106,13 +120,15 @@ g.add_argument("--eval-n", type=int, default=200, help="test examples per eval (
 g.add_argument("--save-every", type=int, default=50, help="steps between checkpoints (and one at the end); 0 = none")
 g.add_argument("--resume", default=None, help="out dir or ckpt.pt to continue from")
 g.add_argument("--log-completions", type=int, default=10, help="print a sample completion every N steps; 0 = never")
+g.add_argument("--log-to", default="none", choices=TRACKERS, help="metrics.jsonl always; also this tracker")
 # every numeric flag's valid values, checked with its type before anything loads
 RANGES = {"group_size": ">= 2", "prompts_per_step": ">= 1", "micro_batch": ">= 1", "max_new_tokens": ">= 1",
           "max_prompt_tokens": ">= 1", "temperature": "> 0", "top_p": "(0, 1]", "top_k": ">= 0", "steps": ">= 1",
           "mu": ">= 1", "lr": "> 0", "warmup_steps": ">= 0", "weight_decay": ">= 0", "grad_clip": ">= 0",
           "beta": ">= 0", "eps": "[0, 1)", "eps_high": ">= 0", "delta": "> 1", "top_entropy_quantile": "(0, 1]",
           "ref_sync_every": ">= 0", "ref_sync_alpha": "(0, 1]", "seed": ">= 0", "eval_every": ">= 0",
-          "eval_n": ">= 0", "save_every": ">= 0", "log_completions": ">= 0"}
+          "eval_n": ">= 0", "save_every": ">= 0", "log_completions": ">= 0", "max_resample": ">= 0", "is_cap": "> 0",
+          "overlong_buffer": ">= 0"}
 args, ckpt_path = cli.parse(p, RANGES)
 eps_high = args.eps if args.eps_high is None else args.eps_high
 
@@ -132,15 +148,24 @@ if eps_high < args.eps:
 if args.delta is not None and args.delta <= 1 + eps_high:
     p.error(f"--delta {args.delta} must be > 1 + eps_high = {1 + eps_high}")
 task = TASKS[args.task]
-weights = dict(task.reward_weights)
+reward_fns, weights = dict(task.reward_fns), dict(task.reward_weights)
+if args.overlong_buffer:  # DAPO eq. 13 beside the task's rewards, with its own weight
+    if args.overlong_buffer > args.max_new_tokens:
+        p.error(f"--overlong-buffer {args.overlong_buffer} must be <= --max-new-tokens {args.max_new_tokens}")
+    reward_fns["overlong"] = overlong_reward(args.max_new_tokens, args.overlong_buffer)
+    weights["overlong"] = args.overlong_weight
+if args.supervision == "process" and task.step_rewards is None:
+    p.error(f"--supervision process needs per-step rewards; task {args.task} has none (try --task arith_steps)")
+if check_tracker(args.log_to):
+    p.error(check_tracker(args.log_to))
 for item in (args.reward_weights.split(",") if args.reward_weights else []):
     name, _, w = item.partition("=")
     try:
         weights[name] = float(w)
     except ValueError:
         weights[name] = math.nan
-    if name not in task.reward_weights or not math.isfinite(weights[name]):
-        p.error(f"--reward-weights: '{item}' is not name=number with name in {sorted(task.reward_weights)}")
+    if name not in reward_fns or not math.isfinite(weights[name]):
+        p.error(f"--reward-weights: '{item}' is not name=number with name in {sorted(reward_fns)}")
 try:
     device = resolve_device(args.device)
     if ddp and device.type == "cuda":
@@ -152,6 +177,8 @@ try:
     check_dtype(ref_device, dtype)
 except ModelError as e:
     p.error(str(e))
+if args.kl_estimator == "full" and args.beta > 0 and ref_device != device:
+    p.error("--kl-estimator full computes the reference's logits beside the policy's: --ref-device must be --device")
 if master and not args.resume and checkpoint.existing_run(args.out_dir):  # never mix two runs' files
     if not args.overwrite:
         p.error(f"--out-dir {args.out_dir} holds a run ({', '.join(checkpoint.existing_run(args.out_dir))}): pass "
@@ -199,9 +226,11 @@ except ValueError as e:
     p.error(str(e))
 if master:
     print(line)
-decoder = lean.LeanDecoder if use_lean else HFDecoder
-logprobs = lean.token_logprobs if use_lean else token_logprobs
-ref_logprobs = lean.token_logprobs if use_lean and ref is not None and lean.check(ref)[0] else token_logprobs
+decoder = lean.LeanDecoder if use_lean else rollout.HFDecoder
+logprobs = lean.token_logprobs if use_lean else rollout.token_logprobs
+ref_lean = use_lean and ref is not None and lean.check(ref)[0]
+ref_logprobs, ref_hidden = (lean.token_logprobs, lean.completion_hidden) if ref_lean else \
+    (rollout.token_logprobs, rollout.completion_hidden)
 share = lean.shared_prompt_rows(args.group_size, args.micro_batch)  # rows of a micro-batch sharing a prompt
 params = [q for q in policy.parameters() if q.requires_grad]
 optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay,
@@ -231,21 +260,42 @@ if master:  # resolved values here; the checkpoint keeps the flags as given, for
 
 # -----------------------------------------------------------------------------
 # helpers
-def prompts_for_step(step):
-    """This rank's examples at `step` and their slots in the step: a fixed shuffle per epoch, so a
-    resumed run sees the same ones."""
-    per_epoch = len(train_set) // args.prompts_per_step
-    epoch, k = divmod(step, per_epoch)
-    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.seed + epoch))
-    start = k * args.prompts_per_step + rank * local_prompts
-    return [train_set[i] for i in order[start:start + local_prompts].tolist()], range(start, start + local_prompts)
+def rollout_step(step):
+    """Sample and score this rank's prompts -> (Rollout, examples, rewards (N,), keep (N,) bool, stats).
 
-
-def generators(step, slots):
-    """One generator per prompt slot of a step: a prompt's completions do not depend on the number of
-    ranks or on the other prompts of the batch, and a resumed run draws the same numbers."""
-    seed = lambda s: int.from_bytes(hashlib.sha256(f"{args.seed}/{step}/{s}".encode()).digest()[:8], "little")
-    return [torch.Generator().manual_seed(seed(s)) for s in slots]
+    --dynamic-sampling (DAPO §3.2): a group whose rewards are all equal carries no gradient, so more
+    prompts are sampled (at most --max-resample extra rollouts) until local_prompts informative groups
+    are in hand; a shortfall is filled with uninformative groups that keep=False takes out of the loss,
+    so every rank trains on the same shapes. stats: the mean of every reward fn over all completions."""
+    G, parts = args.group_size, []
+    for attempt in range(1 + (args.max_resample if args.dynamic_sampling else 0)):
+        idx, slots = batch.prompt_indices(len(train_set), args.prompts_per_step, step, args.seed, rank * local_prompts,
+                                          local_prompts, attempt)
+        examples = [train_set[i] for i in idx]
+        r = sample(policy, tokenizer, [task.prompt(ex) for ex in examples], G, args.max_new_tokens, stops,
+                   args.temperature, args.top_p, args.top_k, batch.generators(args.seed, step, slots), dtype, decoder,
+                   max_prompt)
+        fields = {k: [ex[k] for ex in examples for _ in range(G)] for k in examples[0]}
+        try:
+            total, per_fn = combine_rewards(reward_fns, weights, r.completions,
+                                            num_tokens=r.completion_mask.sum(1).tolist(), **fields)
+        except RewardError as e:
+            sys.exit(f"error: step {step + 1}: {e}")
+        parts.append((r, examples, torch.tensor(total), per_fn))
+        if not args.dynamic_sampling or sum(int(grpo.informative_groups(t, G).sum()) for *_, t, _ in parts) >= local_prompts:
+            break
+    stats = {f"reward/{k}": torch.tensor([v for *_, f in parts for v in f[k]]).mean() for k in per_fn}
+    if not args.dynamic_sampling:
+        return r, examples, parts[0][2], torch.ones(N, dtype=torch.bool), stats
+    chosen = batch.pick_groups([t for *_, t, _ in parts], G, local_prompts)
+    rows = [torch.tensor([j * G + g for i2, j, _ in chosen if i2 == i for g in range(G)], dtype=torch.long)
+            for i in range(len(parts))]
+    keep = torch.tensor([f for *_, f in chosen]).repeat_interleave(G)  # (N,)
+    stats.update(reward_sampled=torch.cat([t for *_, t, _ in parts]).mean(), kept_groups=keep.sum() / G,
+                 groups_dropped=torch.tensor(sum(len(t) for *_, t, _ in parts) // G) - keep.sum() // G,
+                 extra_rollouts=torch.tensor(len(parts) - 1))
+    return (rollout.concat([x[0] for x in parts], rows), [parts[i][1][j] for i, j, _ in chosen],
+            torch.cat([t[i] for (*_, t, _), i in zip(parts, rows)]), keep, stats)
 
 
 @torch.no_grad()
@@ -275,46 +325,30 @@ def save_checkpoint(step):
     return checkpoint.save(state, os.path.join(args.out_dir, "ckpt.pt")) if master else None
 
 
-def write_row(row):
-    """One metrics line; a non-finite value is written as null (JSON has no NaN)."""
-    log.write(json.dumps({k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()})
-              + "\n")
-    log.flush()
-
-
 def run_eval(step):
     if master and test_set:
         summary, _ = evaluate(policy, tokenizer, task, test_set, args.max_new_tokens, progress=False, dtype=dtype,
                               decoder=decoder)
         print(f"eval step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in summary.items()))
-        write_row({"step": step, **{f"eval/{k}": v for k, v in summary.items()}})
+        log.write({"step": step, **{f"eval/{k}": v for k, v in summary.items()}})
 
 
 # -----------------------------------------------------------------------------
 # the loop
-metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
-if master and start_step and os.path.exists(metrics_path):  # drop what was logged after the checkpoint
-    kept = [line for line in open(metrics_path) if json.loads(line)["step"] <= start_step]
-    open(metrics_path, "w").writelines(kept)
-log = open(metrics_path, "a") if master else None
+log = MetricsLog(args.out_dir, args.log_to, vars(args), start_step) if master else None
 if start_step == 0 and args.eval_every:
     run_eval(0)
-bad_steps, save_failed = 0, None
+# a run drifting away: several steps in a row past these say so (the numbers are large for any healthy run)
+FAR_KL, FAR_DLOGP, FAR_STEPS = 1.0, 1.0, 3
+bad_steps, far, save_failed = 0, {"kl": 0, "dlogp_p99": 0}, None
 for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not master):
     t0 = time.time()
-    # 1. rollout: G completions per prompt, groups contiguous
-    examples, slots = prompts_for_step(step)
-    r = sample(policy, tokenizer, [task.prompt(ex) for ex in examples], args.group_size, args.max_new_tokens,
-               stops, args.temperature, args.top_p, args.top_k, generators(step, slots), dtype, decoder, max_prompt)
+    # 1. rollout and rewards: G completions per prompt, groups contiguous (rollout_step above)
+    r, examples, rewards, keep, row = rollout_step(step)
+    rewards, keep = rewards.to(device), keep.to(device)
     lengths = r.completion_mask.sum(1)  # (N,)
     t1 = time.time()
-    # 2. rewards -> advantages (groups never span ranks; "batch" scale gathers the whole batch)
-    fields = {k: [ex[k] for ex in examples for _ in range(args.group_size)] for k in examples[0]}
-    try:
-        total, per_fn = combine_rewards(task.reward_fns, weights, r.completions, num_tokens=lengths.tolist(), **fields)
-    except RewardError as e:
-        sys.exit(f"error: step {step + 1}: {e}")
-    rewards = torch.tensor(total, dtype=torch.float32, device=device)  # (N,)
+    # 2. advantages (groups never span ranks; "batch" scale gathers the whole batch)
     all_rewards = rewards
     if ddp:
         everyone = [torch.empty_like(rewards) for _ in range(world)]
@@ -322,16 +356,24 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
         all_rewards = torch.cat(everyone)  # (world*N,)
     adv, frac_zero = grpo.group_advantages(all_rewards, args.group_size, args.scale_rewards)
     adv = adv[rank * N:(rank + 1) * N]  # (N,) this rank's rows
-    loss_mask = r.completion_mask * (~r.truncated).long()[:, None] if args.mask_truncated else r.completion_mask
+    if args.supervision == "process":  # per-token advantages from the task's step rewards
+        adv = batch.process_advantages(task.step_rewards, tokenizer, r, examples, args.group_size).to(device)
+    loss_mask = r.completion_mask * keep.long()[:, None]  # (N, C) --dynamic-sampling's filler rows get no loss
+    if args.mask_truncated:
+        loss_mask = loss_mask * (~r.truncated).long()[:, None]
     num_tokens = all_reduce(loss_mask.sum().float()).clamp(min=1)  # per-rank share of the global count (dapo)
+    num_sequences = all_reduce(keep.sum().float())  # per-rank share of the rows that train
     C = r.completion_ids.size(1)
     # 3. reference (and old-policy) log-probs, no grad, micro-batched, in the training pass's numerics
-    ref_logp = torch.zeros(N, C, device=device) if ref is not None else None
-    old_logp = torch.zeros(N, C, device=device) if args.mu > 1 else None
+    full_kl = args.kl_estimator == "full" and ref is not None
+    ref_logp = torch.zeros(N, C, device=device) if ref is not None and not full_kl else None
+    ref_h, old_logp = [], torch.zeros(N, C, device=device) if args.mu > 1 else None
     with torch.no_grad():
         for rows, ids, mask, c in micro_batches(r, args.micro_batch):
-            if ref is not None:
-                with torch.autocast(ref_device.type, dtype=dtype, enabled=dtype != torch.float32):
+            with torch.autocast(ref_device.type, dtype=dtype, enabled=ref is not None and dtype != torch.float32):
+                if full_kl:  # the reference's final hidden states: (rows, c, H) floats, its logits made chunk by chunk
+                    ref_h.append(ref_hidden(ref, ids, mask, c, group_size=share))
+                elif ref is not None:
                     ref_logp[rows, :c] = ref_logprobs(ref, ids, mask, c, args.temperature, out_device=device,
                                                       group_size=share)[0]
             if old_logp is not None:
@@ -339,24 +381,29 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
                     old_logp[rows, :c] = logprobs(policy, ids, mask, c, args.temperature, group_size=share)[0]
     t2 = time.time()
     # 4. mu optimizer steps on this batch, each accumulating gradients over micro-batches
-    stats, n_micro = {}, N // args.micro_batch
-    for it in range(args.mu):
-        for rows, ids, mask, c in micro_batches(r, args.micro_batch):
+    stats, n_micro, first_logp = {}, N // args.micro_batch, torch.zeros(N, C, device=device)
+    skip = num_sequences.item() == 0  # --dynamic-sampling found no group with a reward spread: nothing to learn
+    for it in range(0 if skip else args.mu):
+        for j, (rows, ids, mask, c) in enumerate(micro_batches(r, args.micro_batch)):
             with autocast:
                 # entropy is logged always; it only enters the loss with --entropy-coef / --top-entropy-quantile
-                logp, entropy, _ = logprobs(policy, ids, mask, c, args.temperature, with_entropy=True, group_size=share)
-            m_mask = loss_mask[rows, :c]
+                logp, entropy, kl = logprobs(policy, ids, mask, c, args.temperature, with_entropy=True,
+                                             group_size=share, ref=(ref.get_output_embeddings(), ref_h[j]) if full_kl else None)
+            m_mask, old = loss_mask[rows, :c], None if old_logp is None else old_logp[rows, :c]
+            # the sampler's numerics differ from the trainer's: reweight the policy term (truncated IS)
+            w, w_stats = grpo.behaviour_weights(logp.detach() if old is None else old, r.sample_logp[rows, :c],
+                                                m_mask, args.is_mode, args.is_cap)
             loss, metrics = grpo.grpo_loss(
-                logp, None if old_logp is None else old_logp[rows, :c], None if ref is None else ref_logp[rows, :c],
-                adv[rows], m_mask, beta=args.beta, eps_low=args.eps, eps_high=eps_high, delta=args.delta,
-                kl_estimator=args.kl_estimator, loss_type=args.loss_type, importance_level=args.importance_level,
-                entropy=entropy, entropy_coef=args.entropy_coef, top_entropy_quantile=args.top_entropy_quantile,
-                num_sequences=N, num_tokens=num_tokens, max_len=args.max_new_tokens)
+                logp, old, ref_logp[rows, :c] if ref_logp is not None else None, adv[rows], m_mask, beta=args.beta,
+                eps_low=args.eps, eps_high=eps_high, delta=args.delta, kl_estimator=args.kl_estimator, kl=kl,
+                loss_type=args.loss_type, importance_level=args.importance_level, entropy=entropy,
+                entropy_coef=args.entropy_coef, top_entropy_quantile=args.top_entropy_quantile, behaviour_weights=w,
+                num_sequences=num_sequences, num_tokens=num_tokens, max_len=args.max_new_tokens)
             scaler.scale(loss).backward()
             metrics["loss"] = loss.detach()
-            if it == 0:  # how far the training pass is from the sampling distribution
-                d = ((logp.detach().float() - r.sample_logp[rows, :c]).abs() * r.completion_mask[rows, :c]).max()
-                metrics["max_dlogp"] = d
+            if it == 0:
+                first_logp[rows, :c] = logp.detach()
+                metrics["is_capped"] = w_stats["is_capped"]
             for k, v in metrics.items():
                 stats[k] = stats.get(k, []) + [v.float()]
         if ddp:  # average gradients over ranks (each rank owns whole groups)
@@ -379,30 +426,40 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
         optimizer.zero_grad(set_to_none=True)
         lr = optimizer.param_groups[0]["lr"]  # the rate this update used; the scheduler now moves on
         scheduler.step()
+    if skip:
+        grad_norm, lr = torch.tensor(0.0), optimizer.param_groups[0]["lr"]
+        tqdm.write(f"step {step + 1}: no group with a reward spread after {args.max_resample} extra rollouts: skipped")
     if ref is not None and args.ref_sync_every and (step + 1) % args.ref_sync_every == 0:
         blend_into(ref, policy, args.ref_sync_alpha)  # iterative GRPO (DeepSeekMath §4.2) / TR-DPO soft update
     t3 = time.time()
-    # 5. metrics: per-rank values averaged over ranks, only rank 0 writes
-    row = {"loss": sum(stats.pop("loss")) / args.mu, "reward": all_rewards.mean(), "reward_std": all_rewards.std(),
-           "frac_zero_std": frac_zero, "completion_len": lengths.float().mean(),
-           "completion_len_max": lengths.max().float(), "truncated": r.truncated.float().mean(),
-           "prompt_cut": r.prompt_cut.float().mean(), "grad_norm": grad_norm,
-           **{f"reward/{k}": torch.tensor(v).mean() for k, v in per_fn.items()}}
+    # 5. metrics: per-rank values averaged over ranks (max / min for *_max / *_min), only rank 0 writes
+    if not skip:  # |sampling log-prob - training log-prob| of the first pass, over the whole batch
+        gap = grpo.behaviour_weights(first_logp, r.sample_logp, r.completion_mask, "none")[1]
+        row.update({k: v for k, v in gap.items() if k.startswith("dlogp")})
+    row.update(loss=sum(stats.pop("loss", [torch.tensor(0.0)])) / args.mu, reward=rewards.mean(),
+               reward_std=all_rewards.std(), frac_zero_std=frac_zero, completion_len=lengths.float().mean(),
+               completion_len_max=lengths.max().float(), truncated=r.truncated.float().mean(),
+               prompt_cut=r.prompt_cut.float().mean(), grad_norm=grad_norm, skipped=torch.tensor(float(skip)))
     for k, v in stats.items():
-        row[k] = max(v) if k.endswith("_max") or k == "max_dlogp" else min(v) if k.endswith("_min") else sum(v) / len(v)
-    op = lambda k: "max" if k.endswith("_max") or k == "max_dlogp" else "min" if k.endswith("_min") else "mean"
+        row[k] = max(v) if k.endswith("_max") else min(v) if k.endswith("_min") else sum(v) / len(v)
+    op = lambda k: "max" if k.endswith("_max") else "min" if k.endswith("_min") else "mean"
     row = {k: all_reduce(torch.as_tensor(v, dtype=torch.float32, device=device).detach(), op(k)).item()
            for k, v in row.items()}
     gen_tokens = all_reduce(lengths.sum().float()).item() * world
     row.update(step=step + 1, lr=lr, t_generate=t1 - t0, t_reference=t2 - t1,
                t_train=t3 - t2, t_step=t3 - t0, gen_tok_s=gen_tokens / (t1 - t0))
     if master:
-        write_row(row)
+        log.write(row)
         tqdm.write(f"step {step + 1}: reward {row['reward']:.3f} loss {row['loss']:.4f} kl {row.get('kl', 0):.4f} "
                    f"len {row['completion_len']:.0f} gen {row['t_generate']:.1f}s ref {row['t_reference']:.1f}s "
                    f"train {row['t_train']:.1f}s")
         if args.log_completions and (step + 1) % args.log_completions == 0:
-            tqdm.write(f"--- sample (reward {total[0]:.2f}, gold {examples[0]['answer']}):\n{r.completions[0]}\n---")
+            tqdm.write(f"--- sample (reward {rewards[0]:.2f}, gold {examples[0]['answer']}):\n{r.completions[0]}\n---")
+        for k, limit, who in (("kl", FAR_KL, "reference"), ("dlogp_p99", FAR_DLOGP, "sampler")):
+            far[k] = far[k] + 1 if row.get(k, 0) > limit else 0
+            if far[k] == FAR_STEPS:
+                tqdm.write(f"warning: step {step + 1}: {k} > {limit} for {FAR_STEPS} steps: the policy is far from "
+                           f"the {who}; lower --lr")
     if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
         run_eval(step + 1)
     if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
