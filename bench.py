@@ -1,14 +1,17 @@
 """
 Benchmark one GRPO step of train.py, optionally side by side with TRL's GRPOTrainer.
 
-    python bench.py                 # our loop: per-phase times, tokens/s, peak RSS
-    python bench.py --vs-trl        # + TRL GRPOTrainer at the same settings (pip install trl==1.16.0)
-    python bench.py --vs-trl --rounds 3   # the two sides in turn, 3 times; median ratios
+    python bench.py                       # our loop: per-phase times, tokens/s, peak RSS
+    python bench.py --lean off            # the plain path (the model's own modules) instead of lean.py
+    python bench.py --vs-trl --rounds 3   # + TRL GRPOTrainer (pip install trl==1.16.0), in turn, median ratios
+    python bench.py --grid                # cost growth: group size 4/8/16, max new tokens 64/128/256
 
-Defaults are the configuration of issue 5: SmolLM2-135M-Instruct, 2 GSM8K prompts x G=8 = 16
-completions, 128 new tokens, temperature 1.0, beta=0.04 (reference model on), mu=1, lr 1e-6,
-fp32 master weights with bf16 autocast. Each side runs in its own subprocess (peak RSS is that
-process's ru_maxrss); the first step is a warm-up and the median of the others is reported.
+The standard configuration: SmolLM2-135M-Instruct, 2 GSM8K prompts x G=8 = 16 completions, 128 new
+tokens, temperature 1.0, beta=0.04 (reference model on), mu=1, lr 1e-6, fp32 master weights with bf16
+autocast. Both sides train the same objective: k3 KL, no sampler correction on ours, and TRL's
+use_bias_correction_kl=False (its default multiplies the KL term by the ratio, another KL gradient).
+Each side runs in its own subprocess (peak RSS is that process's ru_maxrss); the first step is a
+warm-up and the median of the others is reported.
 """
 
 import argparse
@@ -36,6 +39,10 @@ p.add_argument("--lr", type=float, default=1e-6)
 p.add_argument("--loss-type", default="grpo")
 p.add_argument("--dtype", default="bfloat16")
 p.add_argument("--gradient-checkpointing", action="store_true", help="on both sides (TRL's own default is on)")
+p.add_argument("--lean", default="auto", choices=["auto", "on", "off"], help="ours: train.py --lean")
+p.add_argument("--kl-estimator", default="k3", help="ours; k3 is what TRL computes")
+p.add_argument("--grid", action="store_true", help="ours at G = 4, 8, 16 and 64, 128, 256 new tokens (and TRL at "
+               "two of them with --vs-trl)")
 p.add_argument("--data-dir", default=None, help="GSM8K dir (else $GSM8K_DIR, else download)")
 p.add_argument("--vs-trl", action="store_true", help="also run TRL's GRPOTrainer and print the ratios")
 p.add_argument("--rounds", type=int, default=1,
@@ -55,7 +62,8 @@ def ours_child(out):
                 "--micro-batch", str(args.micro_batch), "--max-new-tokens", str(args.max_new_tokens),
                 "--temperature", "1.0", "--beta", str(args.beta), "--lr", str(args.lr), "--mu", "1",
                 "--loss-type", args.loss_type, "--dtype", args.dtype, "--eval-n", "0", "--save-every", "0",
-                "--log-completions", "0", "--out-dir", out] + \
+                "--log-completions", "0", "--out-dir", out, "--lean", args.lean,
+                "--kl-estimator", args.kl_estimator, "--is-mode", "none"] + \
         (["--gradient-checkpointing"] if args.gradient_checkpointing else []) + \
         (["--data-dir", args.data_dir] if args.data_dir else [])
     runpy.run_path(os.path.join(HERE, "train.py"), run_name="__main__")
@@ -96,7 +104,7 @@ def trl_child(out):
                      beta=args.beta, learning_rate=args.lr, num_iterations=1, loss_type=args.loss_type,
                      bf16=args.dtype == "bfloat16", use_cpu=not torch.cuda.is_available(), max_steps=args.steps,
                      logging_steps=1, report_to=[], save_strategy="no", seed=0, lr_scheduler_type="constant",
-                     gradient_checkpointing=args.gradient_checkpointing,
+                     gradient_checkpointing=args.gradient_checkpointing, use_bias_correction_kl=False,
                      shuffle_dataset=False)
     timer = Timer()
     trainer = GRPOTrainer(model=resolve_model(args.model), reward_funcs=reward, args=cfg, train_dataset=data,
@@ -114,9 +122,12 @@ if args.child:  # one side, in its own process, so its peak RSS is its own
     sys.exit(0)
 
 
-def run_side(name):
+def run_side(name, **over):
+    """One side in a fresh process -> (medians of the timed steps, peak RSS GiB, all rows)."""
     out = tempfile.mktemp(suffix=".json")
-    cmd = [sys.executable, __file__, "--child", name, "--out", out] + [a for a in sys.argv[1:] if a != "--vs-trl"]
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in over.items()]
+    cmd = [sys.executable, __file__, "--child", name, "--out", out] + \
+        [a for a in sys.argv[1:] if a not in ("--vs-trl", "--grid")] + flags
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if name == "trl" else None)
     res = json.load(open(out))
     timed = res["rows"][1:] or res["rows"]  # drop the warm-up step
@@ -128,10 +139,27 @@ cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if l
 import torch  # noqa: E402 (only for the machine line)
 print(f"# {time.strftime('%Y-%m-%d')} | {cpu} | {os.cpu_count()} cores, torch {torch.__version__}, "
       f"{torch.get_num_threads()} threads | {args.model}, {args.prompts_per_step}x{args.group_size} completions, "
-      f"{args.max_new_tokens} new tokens, beta {args.beta}, {args.dtype} autocast, {args.steps - 1} timed steps")
+      f"{args.max_new_tokens} new tokens, beta {args.beta}, {args.dtype} autocast, lean {args.lean}, "
+      f"{args.steps - 1} timed steps")
+
+
 def fmt(x, spec=".1f"):
     return "-" if x is None else format(x, spec)
 
+
+if args.grid:  # cost growth, one side at a time: G at 128 tokens, then tokens at G = 8
+    points = [dict(group_size=g, max_new_tokens=128) for g in (4, 8, 16)] + \
+        [dict(group_size=8, max_new_tokens=t) for t in (64, 256)]
+    trl_points = [dict(group_size=8, max_new_tokens=128), dict(group_size=16, max_new_tokens=128)]
+    print("\n| side | G | max new tokens | step s | generate s | train s | mean completion len | peak RSS GiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for side, pts in [("ours", points)] + ([("trl", trl_points)] if args.vs_trl else []):
+        for pt in pts:
+            med, peak, _ = run_side(side, **pt)
+            print(f"| {side} | {pt['group_size']} | {pt['max_new_tokens']} | {fmt(med['t_step'])} | "
+                  f"{fmt(med.get('t_generate'))} | {fmt(med.get('t_train'))} | {med['completion_len']:.0f} | "
+                  f"{peak:.2f} |", flush=True)
+    sys.exit(0)
 
 ratios = []  # (step time, peak RSS, per-token step time) ours / TRL, one per round
 for rnd in range(args.rounds if args.vs_trl else 1):
@@ -150,8 +178,7 @@ for rnd in range(args.rounds if args.vs_trl else 1):
         (o, po, _), (t, pt, _) = results["ours"], results["trl"]
         ratios.append((o["t_step"] / t["t_step"], po / pt,
                        (o["t_step"] / o["completion_len"]) / (t["t_step"] / t["completion_len"])))
-        print("\nours / TRL: step time {:.2f}x, peak RSS {:.2f}x (goal <= 0.33x both); per-token step time "
-              "ratio {:.2f}x".format(*ratios[-1]))
+        print("\nours / TRL: step time {:.2f}x, peak RSS {:.2f}x, per-token step time {:.2f}x".format(*ratios[-1]))
 if len(ratios) > 1:
     print("\nmedian over {} rounds: step time {:.2f}x, peak RSS {:.2f}x, per-token step time {:.2f}x".format(
         len(ratios), *(statistics.median(r[i] for r in ratios) for i in range(3))))

