@@ -125,3 +125,25 @@ def test_real_model_loads_frozen_with_pad_eq_eos(real_model):
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert tok.pad_token_id == tok.eos_token_id  # SmolLM2: the reason masks never read pad_token_id
     assert tok.convert_ids_to_tokens(models.stop_token_ids(tok, model)) == ["<|im_end|>"]
+
+
+@pytest.mark.parametrize("untied", [False, True])
+def test_matmul_dtype_reference_computes_the_fp32_models_bits_under_autocast(tmp_path, untied):
+    """A reference with its nn.Linear weights stored in bf16 (the rest fp32) gives, under bf16 autocast,
+    the same logits bit for bit as the fp32 model: autocast casts the fp32 weights to exactly those bf16
+    values, and every other op sees the same fp32 inputs. Half the memory for the matmul weights."""
+    model = make_model()
+    if untied:  # an untied head is an nn.Linear of its own and is stored in bf16 too
+        model.config.tie_word_embeddings = False
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    model.save_pretrained(tmp_path)
+    fp32 = load_model(str(tmp_path), CPU, torch.float32, trainable=False)
+    ref = load_model(str(tmp_path), CPU, torch.float32, trainable=False, matmul_dtype=torch.bfloat16)
+    linears = [m for m in ref.modules() if type(m) is torch.nn.Linear]
+    assert linears and {m.weight.dtype for m in linears} == ({torch.bfloat16} if untied else
+                                                              {torch.bfloat16, torch.float32})  # tied head stays fp32
+    assert ref.get_input_embeddings().weight.dtype == torch.float32
+    ids = torch.randint(5, 98, (3, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want, got = fp32(input_ids=ids).logits, ref(input_ids=ids).logits
+    assert torch.equal(got, want)
