@@ -57,11 +57,11 @@ def main():
     has_eval = any(ev for _, ev in runs.values())
     fig, axes = plt.subplots(1, 2 if has_eval else 1, figsize=(11 if has_eval else 6, 4), squeeze=False)
     for name, (train, evals) in runs.items():
-        steps = [r["step"] for r in train if args.key in r]
-        line, = axes[0][0].plot(steps, running_mean([r[args.key] for r in train if args.key in r], args.smooth),
+        kept = [r for r in train if r.get(args.key) is not None]  # null: a non-finite value in the run
+        line, = axes[0][0].plot([r["step"] for r in kept], running_mean([r[args.key] for r in kept], args.smooth),
                                 label=name)
         if has_eval:
-            pts = [(r["step"], r[args.eval_key]) for r in evals if args.eval_key in r]
+            pts = [(r["step"], r[args.eval_key]) for r in evals if r.get(args.eval_key) is not None]
             axes[0][1].plot(*zip(*pts), marker="o", color=line.get_color(), label=name) if pts else None
     axes[0][0].set(xlabel="step", ylabel=f"{args.key} (running mean, {args.smooth} steps)")
     if has_eval:
