@@ -62,7 +62,7 @@ def check(model):
         return False, f"attention implementation {cfg._attn_implementation!r} (lean reproduces sdpa / eager)"
     if getattr(cfg, "use_sliding_window", False) or any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
         return False, "sliding-window attention"
-    if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+    if any(getattr(torch.nn.modules.module, "_global" + h) for h in HOOKS):  # backward ones change gradients
         return False, "a global module hook is registered"
     for name, m in model.named_modules():
         name = name or type(m).__name__
