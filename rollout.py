@@ -324,6 +324,9 @@ def completion_hidden(model, input_ids, attention_mask, num_completion, group_si
     (lean.completion_hidden runs each shared prompt once).
     """
     C = num_completion
+    if model._forward_hooks or model._forward_pre_hooks:  # sampling runs them (model(...)); this pass cannot
+        raise ValueError(f"{type(model).__name__} has a forward hook on the whole model, which the log-prob pass does "
+                         "not run (it calls model.get_decoder() and the lm_head module): register it on those")
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (N, P+C) the positions sample() used
     out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos)
     return out.last_hidden_state[:, -C - 1:-1]  # (N, C, H)

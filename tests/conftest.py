@@ -1,5 +1,5 @@
-"""Shared fixtures: a tiny word-level tokenizer and Llama built in-process (no network), and the real
-offline SmolLM2-135M for the few tests marked `real_model`."""
+"""Shared fixtures: a tiny word-level tokenizer and Llama / Qwen2 models built in-process (no network),
+and the real offline SmolLM2-135M for the few tests marked `real_model`."""
 
 import importlib.util
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, pre_tokenizers, processors
 from tokenizers.models import WordLevel
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 # tiny models run ~100x slower with 2 OpenMP threads when another process holds a core (spin-waits);
 # one thread keeps the suite fast and its timing stable on a shared or loaded machine
@@ -46,6 +46,26 @@ def make_model(seed=0, dtype=torch.float32, init_std=0.3):
                       tie_word_embeddings=True, initializer_range=init_std,
                       bos_token_id=BOS, eos_token_id=EOS, pad_token_id=EOS)
     return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def tiny(kind="llama", dtype=torch.float32, seed=0, **config):
+    """2-layer model of the kind lean.py knows, hidden 32, the vocabulary above: "llama" (tied head),
+    "qwen2" (q/k/v biases, untied head), "llama_bias" (attention and MLP biases, linear rope scaling).
+    config: more config fields (a sliding window, ...). Eval mode."""
+    torch.manual_seed(seed)
+    common = dict(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3)
+    if kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False, **config))
+    elif kind == "llama_bias":
+        model = LlamaForCausalLM(LlamaConfig(**common, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
+                                             rope_scaling={"rope_type": "linear", "factor": 2.0}, **config))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True, **config))
+    for p in model.parameters():  # HF inits biases to 0 and norms to 1: randomise both so they matter
+        if p.dim() == 1:
+            p.data.normal_(0, 0.3)
+    return model.to(dtype).eval()
 
 
 @pytest.fixture

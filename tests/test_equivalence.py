@@ -1,10 +1,10 @@
-"""The optimised training path equals the straightforward one on a tiny model.
+"""The training path equals the straightforward one on a tiny model.
 
-Optimised (what train.py runs): micro-batches trimmed to their used columns, each shared prompt run
-once, the LM head run only on completion positions in chunks with its hand-written backward,
-grpo.grpo_loss per micro-batch, gradients accumulated. Straightforward: one full forward,
-full-vocabulary log_softmax, the GRPO loss of DeepSeekMath eq. 3 written out here independently,
-one backward.
+Training path (what train.py runs): micro-batches trimmed to their used columns, the LM head run only
+on completion positions in chunks, grpo.grpo_loss per micro-batch, gradients accumulated; the log-probs
+from rollout.token_logprobs (the plain path) or lean.token_logprobs (--lean: each shared prompt run once,
+the head's hand-written backward). Straightforward: one full forward, full-vocabulary log_softmax, the
+GRPO loss of DeepSeekMath eq. 3 written out here independently, one backward.
 """
 
 import copy
@@ -14,7 +14,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import grpo
-from rollout import Rollout, micro_batches, shared_prompt_rows, token_logprobs
+import lean
+import rollout
+from lean import shared_prompt_rows
+from rollout import Rollout, micro_batches
 
 V, PAD = 61, 0
 
@@ -59,8 +62,9 @@ def naive_loss(policy, ref, r, adv, beta, eps, temperature):
     return ((per_token * m).sum(1) / m.sum(1)).mean()  # eq. 3: 1/G sum_i 1/|o_i| sum_t
 
 
+@pytest.mark.parametrize("logprobs", [rollout.token_logprobs, lean.token_logprobs], ids=["plain", "lean"])
 @pytest.mark.parametrize("micro,share", [(2, False), (4, False), (8, False), (2, True), (4, True), (8, True)])
-def test_optimised_path_matches_naive(micro, share):
+def test_training_path_matches_naive(micro, share, logprobs):
     policy, ref = tiny_model(0), tiny_model(1)
     twin = copy.deepcopy(policy)
     r = make_rollout()
@@ -76,9 +80,9 @@ def test_optimised_path_matches_naive(micro, share):
     assert g == (1 if not share else 2 if micro == 2 else 4)
     for rows, ids, mask, c in micro_batches(r, micro):
         with torch.no_grad():
-            ref_logp = token_logprobs(ref, ids, mask, c, temp, group_size=g)[0]
-        # chunks smaller than a row; share: each prompt runs once per micro-batch, its KV cache repeated
-        logp, _ = token_logprobs(policy, ids, mask, c, temp, chunk_size=5, group_size=g)
+            ref_logp = logprobs(ref, ids, mask, c, temp, group_size=g)[0]
+        # chunks smaller than a row; share: lean runs each prompt once per micro-batch (plain: a hint it ignores)
+        logp, _, _ = logprobs(policy, ids, mask, c, temp, chunk_size=5, group_size=g)
         loss, _ = grpo.grpo_loss(logp, None, ref_logp, adv[rows], r.completion_mask[rows, :c], beta=beta,
                                  eps_low=eps, num_sequences=N, loss_type="grpo")
         loss.backward()
@@ -105,9 +109,10 @@ def test_shared_prefix_handles_a_single_completion_column():
     ids = torch.cat([r.prompt_ids[rows], r.completion_ids[rows, :1]], 1)
     mask = torch.cat([r.prompt_mask[rows], r.completion_mask[rows, :1]], 1)
     with torch.no_grad():
-        plain = token_logprobs(model, ids, mask, 1)[0]
-        shared = token_logprobs(model, ids, mask, 1, group_size=4)[0]
-    torch.testing.assert_close(shared, plain, atol=1e-6, rtol=1e-5)
+        plain = rollout.token_logprobs(model, ids, mask, 1)[0]
+        shared = lean.token_logprobs(model, ids, mask, 1, group_size=4)[0]
+    assert plain.abs().min() > 0.1  # every row scored
+    torch.testing.assert_close(shared, plain, atol=1e-6, rtol=1e-5)  # fp32, another order: ~1e-7 relative
 
 
 def test_shared_prompt_rows_by_hand():

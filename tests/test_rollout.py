@@ -1,5 +1,6 @@
 """Tests for rollout.py against hand calculations and naive recomputations (CPU, tiny Llama, fp32)."""
 
+import ast
 import copy
 from types import SimpleNamespace
 
@@ -9,8 +10,9 @@ import torch.nn.functional as F
 
 from conftest import ENDOFTEXT, EOS, VOCAB, make_model, make_tokenizer
 from models import stop_token_ids
-from rollout import (completion_mask_from_stops, encode_prompts, filter_logits, left_pad, sample,
-                     token_logprobs)
+import rollout
+from rollout import (completion_mask_from_stops, completion_hidden, encode_prompts, filter_logits, head_logprobs,
+                     left_pad, sample, sample_from_logits, token_logprobs)
 
 # prompts of very different lengths so left padding is real
 PROMPTS = ["w1 w2", "w3 w4 w5 w6 w7 w8 w9 w10 w11 w12",
@@ -148,13 +150,13 @@ def test_sample_logp_matches_teacher_forced_with_left_padding(tiny_tok, tiny_mod
     assert (r.prompt_mask == 0).any(), "the test needs left padding"
     C, m = r.completion_ids.size(1), r.completion_mask.bool()
     assert m.sum() >= 3 * C, "the test needs several valid tokens"
-    logp, _ = token_logprobs(tiny_model, r.input_ids, r.attention_mask, C, temperature=T)
+    logp, _, _ = token_logprobs(tiny_model, r.input_ids, r.attention_mask, C, temperature=T)
     torch.testing.assert_close(logp[m], r.sample_logp[m], atol=1e-4, rtol=0)
     # the same check with the wrong temperature or ignoring the padding fails: the test has teeth
-    wrong_t, _ = token_logprobs(tiny_model, r.input_ids, r.attention_mask, C, temperature=1.0)
+    wrong_t, _, _ = token_logprobs(tiny_model, r.input_ids, r.attention_mask, C, temperature=1.0)
     assert (wrong_t[m] - r.sample_logp[m]).abs().max() > 1e-2
     padded = (r.prompt_mask == 0).any(1)  # (N,)
-    no_pad, _ = token_logprobs(tiny_model, r.input_ids, torch.ones_like(r.attention_mask), C, temperature=T)
+    no_pad, _, _ = token_logprobs(tiny_model, r.input_ids, torch.ones_like(r.attention_mask), C, temperature=T)
     assert (no_pad[padded] - r.sample_logp[padded])[m[padded]].abs().max() > 1e-3
 
 
@@ -164,12 +166,13 @@ def test_token_logprobs_equals_naive_full_softmax(tiny_model):
     with torch.no_grad():
         naive_lp, naive_ent = _naive_logprobs(tiny_model, ids, mask, C, T)
         for chunk in (4, 1024):  # 4 < N*C = 18, and not a divisor of it
-            logp, ent = token_logprobs(tiny_model, ids, mask, C, temperature=T, with_entropy=True, chunk_size=chunk)
-            assert logp.shape == ent.shape == (3, C) and not logp.requires_grad
+            logp, ent, kl = token_logprobs(tiny_model, ids, mask, C, temperature=T, with_entropy=True,
+                                           chunk_size=chunk)
+            assert logp.shape == ent.shape == (3, C) and not logp.requires_grad and kl is None
             torch.testing.assert_close(logp[m], naive_lp[m], atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(ent[m], naive_ent[m], atol=1e-5, rtol=1e-5)
             assert (logp[~m] == 0).all() and (ent[~m] == 0).all()  # padding after the stop: skipped, 0
-    assert token_logprobs(tiny_model, ids, mask, C)[1] is None
+    assert token_logprobs(tiny_model, ids, mask, C)[1:] == (None, None)
     assert naive_ent[m].min() > 0.1 and naive_ent[m].max() < torch.log(torch.tensor(len(VOCAB.keys()) * 1.0))
 
 
@@ -184,7 +187,7 @@ def test_token_logprobs_gradient_equals_naive(tiny_model):
     def grads(logp, ent):
         return torch.autograd.grad((w * logp).sum() + 0.1 * (w * ent).sum(), params)
 
-    logp, ent = token_logprobs(tiny_model, ids, mask, C, temperature=T, with_entropy=True, chunk_size=5)
+    logp, ent, _ = token_logprobs(tiny_model, ids, mask, C, temperature=T, with_entropy=True, chunk_size=5)
     assert logp.requires_grad
     got = grads(logp, ent)
     want = grads(*_naive_logprobs(tiny_model, ids, mask, C, T))
@@ -199,13 +202,81 @@ def test_reference_in_bf16_returns_fp32_on_out_device(tiny_model):
     C, m = cmask.size(1), cmask.bool()
     ref = copy.deepcopy(tiny_model).to(torch.bfloat16).requires_grad_(False)
     with torch.no_grad():
-        want, _ = token_logprobs(tiny_model, ids, mask, C)
-        got, ent = token_logprobs(ref, ids, mask, C, with_entropy=True, out_device=torch.device("cpu"))
-        meta, _ = token_logprobs(ref, ids, mask, C, out_device="meta")  # a device other than the input's
+        want, _, _ = token_logprobs(tiny_model, ids, mask, C)
+        got, ent, _ = token_logprobs(ref, ids, mask, C, with_entropy=True, out_device=torch.device("cpu"))
+        meta, _, _ = token_logprobs(ref, ids, mask, C, out_device="meta")  # a device other than the input's
     assert got.dtype == ent.dtype == torch.float32 and got.device.type == "cpu"
     assert meta.device.type == "meta"
     diff = (got[m] - want[m]).abs().max()
     assert 0 < diff < 0.15, f"bf16 reference should differ from fp32 by bf16 rounding only, got {diff}"
+
+
+def test_head_logprobs_runs_the_head_module_on_chunks_only():
+    """The lm_head module sees at most chunk_size rows per call, in the forward and again in backward's
+    recompute (each chunk is checkpointed): no (n, V) fp32 logits exist at once. Log-probs, entropy, KL
+    and gradients equal one unchunked log_softmax over the same weights (F.linear, not the module)."""
+    g = _gen(7)
+    n, H, V, T, chunk = 11, 8, 37, 0.8, 4  # 4 does not divide 11
+    torch.manual_seed(0)
+    head, ref_head = torch.nn.Linear(H, V), torch.nn.Linear(H, V)  # with biases
+    hidden = (2 * torch.randn(n, H, generator=g)).requires_grad_()
+    ref_hidden = 2 * torch.randn(n, H, generator=g)
+    targets = torch.randint(0, V, (n,), generator=g)
+    rows = {head: [], ref_head: []}
+    for h in rows:
+        h.register_forward_hook(lambda m, args, out: rows[m].append(args[0].size(0)))
+    logp, ent, kl = head_logprobs(head, hidden, targets, T, with_entropy=True, chunk_size=chunk,
+                                  ref=(ref_head, ref_hidden))
+    assert rows[head] == rows[ref_head] == [4, 4, 3]
+    w = torch.randn(3, n, generator=g)
+    params = [hidden, head.weight, head.bias]
+    got = torch.autograd.grad((w[0] * logp).sum() + (w[1] * ent).sum() + (w[2] * kl).sum(), params)
+    # backward ran each chunk through the module again, still in chunks
+    assert sorted(rows[head]) == [3, 3, 4, 4, 4, 4] and max(rows[ref_head]) <= chunk
+
+    logp_all = (F.linear(hidden, head.weight, head.bias) / T).log_softmax(-1)  # (n, V)
+    ref_all = (F.linear(ref_hidden, ref_head.weight, ref_head.bias) / T).log_softmax(-1)
+    want_logp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    want_ent = -(logp_all.exp() * logp_all).sum(-1)
+    want_kl = (logp_all.exp() * (logp_all - ref_all)).sum(-1)
+    want = torch.autograd.grad((w[0] * want_logp).sum() + (w[1] * want_ent).sum() + (w[2] * want_kl).sum(), params)
+    # fp32, the same math chunk by chunk: ~1e-7 relative
+    for a, b in ((logp, want_logp), (ent, want_ent), (kl, want_kl)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for name, a, b in zip(["hidden", "weight", "bias"], got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+        assert b.abs().max() > 0.1, name  # not trivially zero
+    assert kl.min() > 0.01  # two different heads
+    with torch.no_grad():  # no autograd: no checkpoint, one call per chunk
+        rows[head].clear()
+        torch.testing.assert_close(head_logprobs(head, hidden, targets, T, chunk_size=chunk)[0], logp)
+    assert rows[head] == [4, 4, 3]
+
+
+def test_token_logprobs_kl_to_a_reference_equals_the_full_softmax(tiny_model):
+    ids, mask, cmask = _ragged_batch()
+    C, m, T = cmask.size(1), cmask.bool(), 0.7
+    ref = make_model(seed=1)
+    with torch.no_grad():
+        ref_hidden = completion_hidden(ref, ids, mask, C)  # (N, C, H)
+        self_hidden = completion_hidden(tiny_model, ids, mask, C)
+    logp, _, kl = token_logprobs(tiny_model, ids, mask, C, T, chunk_size=5, ref=(ref.lm_head, ref_hidden))
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    z = tiny_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1:-1] / T  # (N, C, V)
+    with torch.no_grad():
+        z_ref = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1:-1] / T
+    want = (z.softmax(-1) * (z.log_softmax(-1) - z_ref.log_softmax(-1))).sum(-1)  # (N, C)
+    # fp32, the same math in another order (decoder and head called separately, chunks): ~1e-6 relative
+    torch.testing.assert_close(kl[m], want[m], atol=1e-5, rtol=1e-5)
+    assert (kl[~m] == 0).all() and kl[m].min() > 0.01
+    params = list(tiny_model.parameters())
+    got_g, want_g = (torch.autograd.grad(k[m].sum(), params) for k in (kl, want))
+    for (name, _), a, b in zip(tiny_model.named_parameters(), got_g, want_g):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+    # the policy as its own reference, in the same numerics: exactly 0 (train.py's first step)
+    with torch.no_grad():
+        _, _, kl_self = token_logprobs(tiny_model, ids, mask, C, T, ref=(tiny_model.lm_head, self_hidden))
+    assert (kl_self == 0).all()
 
 
 # -----------------------------------------------------------------------------
@@ -227,6 +298,20 @@ def test_sample_seed_groups_and_prompt_rows(tiny_tok, tiny_model):
         assert a.prompt_ids[i, -n:].tolist() == encoded[i // G]
     # rows of one group differ in what they sample (so G rows are not one row copied)
     assert len({tuple(row) for row in a.completion_ids[:G].tolist()}) > 1
+
+
+def test_a_generator_per_prompt_makes_its_completions_independent_of_the_batch(tiny_tok, tiny_model):
+    kw = dict(group_size=2, max_new_tokens=8, stop_ids=[EOS])
+    both = sample(tiny_model, tiny_tok, PROMPTS[:2], generator=[_gen(10), _gen(11)], **kw)
+    assert (both.prompt_mask[:2] == 0).any(), "the test needs prompt 0 left-padded in the batch"
+    for i, seed in enumerate((10, 11)):  # each prompt alone, with its own generator
+        alone = sample(tiny_model, tiny_tok, PROMPTS[i:i + 1], generator=[_gen(seed)], **kw)
+        rows, C = slice(2 * i, 2 * i + 2), alone.completion_ids.size(1)
+        assert both.completions[rows] == alone.completions, i
+        assert torch.equal(both.completion_ids[rows, :C], alone.completion_ids), i
+        assert (both.completion_mask[rows, C:] == 0).all(), i
+    other = sample(tiny_model, tiny_tok, PROMPTS[:2], generator=[_gen(12), _gen(11)], **kw)
+    assert other.completions[2:] == both.completions[2:] and other.completions[:2] != both.completions[:2]
 
 
 def test_sample_runs_in_eval_mode_and_restores_the_mode(tiny_tok, tiny_model):
@@ -263,7 +348,7 @@ def test_greedy_matches_uncached_decode_and_top_k_1(tiny_tok, tiny_model):
         assert torch.equal(row, greedy.completion_ids[2 * i + 1])
     # temperature 0 reports the untempered (T=1) log-probs of the greedy tokens
     C, m = greedy.completion_ids.size(1), greedy.completion_mask.bool()
-    logp, _ = token_logprobs(tiny_model, greedy.input_ids, greedy.attention_mask, C)
+    logp, _, _ = token_logprobs(tiny_model, greedy.input_ids, greedy.attention_mask, C)
     torch.testing.assert_close(logp[m], greedy.sample_logp[m], atol=1e-4, rtol=0)
 
 
@@ -316,82 +401,18 @@ def test_real_model_sample_logp_matches_teacher_forced(real_model):
                generator=_gen(0))
     assert (r.prompt_mask == 0).any(), "the test needs left padding"
     C, m = r.completion_ids.size(1), r.completion_mask.bool()
-    logp, _ = token_logprobs(model, r.input_ids, r.attention_mask, C, temperature=T, chunk_size=16)
+    logp, _, _ = token_logprobs(model, r.input_ids, r.attention_mask, C, temperature=T, chunk_size=16)
     torch.testing.assert_close(logp[m], r.sample_logp[m], atol=1e-4, rtol=0)
 
 
 def test_sample_from_logits_follows_the_distribution_and_never_draws_removed_tokens():
-    from rollout import sample_from_logits
     probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.0, 0.05])
     logits = probs.log().expand(20000, -1).contiguous()  # log 0 = -inf: removed tokens
-    tok = sample_from_logits(logits, torch.Generator().manual_seed(0))
+    tok = sample_from_logits(logits, torch.rand(len(logits), generator=_gen(0)))
     freq = torch.bincount(tok, minlength=6).double() / len(tok)
     sigma = (probs.double() * (1 - probs.double()) / len(tok)).sqrt()
     assert freq[1] == 0 and freq[4] == 0
     assert ((freq - probs.double()).abs() <= 5 * sigma + 1e-12).all(), freq
-
-
-@pytest.mark.parametrize("autocast", [False, True])
-def test_head_logprobs_gradients_equal_autograd_with_bias_and_entropy(autocast):
-    """_HeadLogprobs (chunked, hand-written backward) vs autograd through F.linear + log_softmax."""
-    from rollout import _HeadLogprobs
-    g = _gen(7)
-    n, H, V, T = 11, 8, 37, 0.8
-    hidden = torch.randn(n, H, generator=g, requires_grad=True)
-    weight = (torch.randn(V, H, generator=g) * 0.5).requires_grad_()
-    bias = torch.randn(V, generator=g).requires_grad_()
-    targets = torch.randint(0, V, (n,), generator=g)
-    w_lp, w_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
-    dtype = torch.bfloat16 if autocast else torch.float32
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
-
-    def grads(lp, ent):
-        return torch.autograd.grad((w_lp * lp).sum() + (w_ent * ent).sum(), [hidden, weight, bias],
-                                   retain_graph=True)
-
-    with ctx:
-        lp, ent = _HeadLogprobs.apply(hidden, weight, bias, targets, T, True, 4, dtype)  # 4 does not divide 11
-    got = grads(lp, ent)
-    with ctx:
-        z = F.linear(hidden, weight, bias).float() / T
-    logp_all = z.log_softmax(-1)
-    want_lp = logp_all.gather(-1, targets[:, None]).squeeze(-1)
-    want_ent = -(logp_all.exp() * logp_all).sum(-1)
-    want = grads(want_lp, want_ent)
-    tol = dict(atol=2e-2, rtol=2e-2) if autocast else dict(atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(lp, want_lp, **tol)
-    torch.testing.assert_close(ent, want_ent, **tol)
-    for name, a, b in zip(["hidden", "weight", "bias"], got, want):
-        assert a.dtype == torch.float32, name
-        torch.testing.assert_close(a, b, **tol, msg=name)
-        assert b.abs().max() > 0.1, name  # not trivially zero
-    # logged-only entropy (no gradient through it) gives the log-prob gradient alone
-    with ctx:
-        lp, ent = _HeadLogprobs.apply(hidden, weight, bias, targets, T, True, 4, dtype)
-    only_lp = torch.autograd.grad((w_lp * lp).sum(), [hidden, weight, bias])
-    want_only = torch.autograd.grad((w_lp * want_lp).sum(), [hidden, weight, bias])
-    for a, b in zip(only_lp, want_only):
-        torch.testing.assert_close(a, b, **tol)
-
-
-def test_head_logprobs_confident_token_gradient_in_bf16():
-    """Under bf16 the forward keeps p in bf16 for backward; a target with p_t ~ 0.999 must still get
-    1 - p_t from its fp32 log-prob (bf16 p_t rounds to 0.996 or 1.0: an error of several times 1 - p_t)."""
-    from rollout import _HeadLogprobs
-    g = _gen(3)
-    n, H, V = 6, 16, 50
-    weight = (torch.randn(V, H, generator=g) * 0.3).requires_grad_()
-    targets = torch.randint(0, V, (n,), generator=g)
-    w_t = weight.detach()[targets]
-    hidden = (torch.randn(n, H, generator=g) * 0.1 + 20 * w_t / w_t.norm(dim=-1, keepdim=True)).requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        lp, _ = _HeadLogprobs.apply(hidden, weight, None, targets, 1.0, False, 4, torch.bfloat16)
-        z = F.linear(hidden, weight)  # the same bf16 logits, then autograd in fp32
-    assert (lp.exp() > 0.999).sum() >= 4, "the test needs confident targets"
-    got, = torch.autograd.grad(lp.sum(), [hidden])
-    want, = torch.autograd.grad(z.float().log_softmax(-1).gather(-1, targets[:, None]).sum(), [hidden])
-    err, size = (got - want).norm(dim=-1), want.norm(dim=-1)  # per row: confident rows have tiny gradients
-    assert (err <= 0.03 * size).all(), (err, size)
 
 
 def test_left_pad_to_a_multiple():
@@ -399,3 +420,14 @@ def test_left_pad_to_a_multiple():
     assert ids.tolist() == [[0, 5, 6, 7], [0, 0, 0, 8]] and mask.tolist() == [[0, 1, 1, 1], [0, 0, 0, 1]]
     ids, mask = left_pad([[5, 6, 7, 9, 1]], pad_id=2, multiple=4)
     assert ids.tolist() == [[2, 2, 2, 5, 6, 7, 9, 1]] and mask.sum().item() == 5
+
+
+def test_rollout_does_not_import_lean():
+    """The plain path stands alone: lean.py plugs into it (decoder=, token_logprobs), never the reverse."""
+    tree = ast.parse(open(rollout.__file__).read())
+    imported = {a.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):  # `from lean import x`, and `from . import lean`
+            imported |= {(node.module or "").split(".")[0]} | {a.name for a in node.names if not node.module}
+    assert "torch" in imported and "grpo" in imported  # the walk sees rollout's imports
+    assert "lean" not in imported
