@@ -316,6 +316,19 @@ def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False,
     return (cat(0) if out else hidden.new_zeros(0, dtype=torch.float32)), cat(1), cat(2)
 
 
+def _check_outer(model):
+    """This pass calls model.get_decoder() and the lm_head module, not model(...), which sampling runs:
+    refuse what only model(...) would do, rather than compute something else."""
+    name, cfg = type(model).__name__, getattr(model, "active_peft_config", None)
+    where = "which the log-prob pass does not run (it calls model.get_decoder() and the lm_head module)"
+    if model._forward_hooks or model._forward_pre_hooks:
+        raise ValueError(f"{name} has a forward hook on the whole model, {where}: register it on those")
+    if not type(model).forward.__module__.startswith(("transformers.", "peft.")):
+        raise ValueError(f"{name} overrides forward(), {where}: make the change in the decoder or the lm_head")
+    if cfg is not None and cfg.is_prompt_learning:
+        raise ValueError(f"prompt / prefix tuning adds virtual tokens in {name}.forward, {where}")
+
+
 def completion_hidden(model, input_ids, attention_mask, num_completion, group_size=1):
     """Final hidden states (N, C, H) at the positions that predict the last C tokens of each row.
 
@@ -324,9 +337,7 @@ def completion_hidden(model, input_ids, attention_mask, num_completion, group_si
     (lean.completion_hidden runs each shared prompt once).
     """
     C = num_completion
-    if model._forward_hooks or model._forward_pre_hooks:  # sampling runs them (model(...)); this pass cannot
-        raise ValueError(f"{type(model).__name__} has a forward hook on the whole model, which the log-prob pass does "
-                         "not run (it calls model.get_decoder() and the lm_head module): register it on those")
+    _check_outer(model)
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (N, P+C) the positions sample() used
     out = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos)
     return out.last_hidden_state[:, -C - 1:-1]  # (N, C, H)

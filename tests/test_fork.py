@@ -325,6 +325,36 @@ def test_a_hook_on_the_whole_model_is_refused_by_both_paths(pre):
         rollout.token_logprobs(model, ids, mask, cmask.size(1))
 
 
+def test_an_overridden_model_forward_or_prompt_tuning_is_refused_by_the_plain_path():
+    """A subclass whose forward() changes the output, or PEFT prompt tuning (virtual tokens added in the
+    wrapper's forward), would run in sampling only: the log-prob pass raises instead."""
+    from transformers import LlamaForCausalLM
+
+    class Scaled(LlamaForCausalLM):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 2
+            return out
+
+    base = tiny("llama")
+    model = Scaled(base.config).eval()
+    model.load_state_dict(base.state_dict())
+    ids, mask, cmask = rows()
+    with pytest.raises(ValueError, match="overrides forward"):
+        rollout.token_logprobs(model, ids, mask, cmask.size(1))
+
+    class Plain(LlamaForCausalLM):  # a subclass that leaves forward alone is fine
+        pass
+    plain = Plain(base.config).eval()
+    plain.load_state_dict(base.state_dict())
+    torch.testing.assert_close(rollout.token_logprobs(plain, ids, mask, cmask.size(1))[0],
+                               rollout.token_logprobs(base, ids, mask, cmask.size(1))[0], atol=0, rtol=0)
+    peft = pytest.importorskip("peft", reason="pip install peft")
+    prompt_tuned = peft.get_peft_model(tiny("llama"), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    with pytest.raises(ValueError, match="virtual tokens"):
+        rollout.token_logprobs(prompt_tuned, ids, mask, cmask.size(1))
+
+
 def test_sliding_window_left_on_the_modules_is_refused():
     """The config's flag and layer types both say full attention; an attention module still has its window."""
     model = sliding_window(tiny("qwen2"), None)
