@@ -7,6 +7,7 @@ old one, so a kill mid-write leaves the last good checkpoint; a failed write (a 
 temp file and says where space is needed.
 """
 
+import math
 import os
 
 import torch
@@ -36,8 +37,8 @@ def save(state, path):
     except OSError as e:
         if os.path.exists(tmp):
             os.remove(tmp)
-        need = state_bytes(state) / 2**20
-        return (f"could not write {path} ({e.strerror or e}); about {need:.0f} MiB are needed in "
+        need = math.ceil(state_bytes(state) / 2**20)  # rounded up: a small state never reads "0 MiB"
+        return (f"could not write {path} ({e.strerror or e}); about {need} MiB are needed in "
                 f"{os.path.dirname(os.path.abspath(path))}; the last good checkpoint there is kept")
 
 

@@ -249,17 +249,19 @@ def token_ends(tokenizer, completion_ids, length, char_ends):
 
     completion_ids (C,) of one row, length: its tokens before the stop token, char_ends: exclusive
     ends of pieces of the text (as rollout.sample decodes it) -> list of token indices in [0, length),
-    the first token whose decoded prefix reaches the offset. Decoding prefixes is exact whatever the
-    tokenizer does to bytes and spaces.
+    the first token whose decoded prefix holds the text up to the offset. Decoding prefixes is exact
+    whatever the tokenizer does to bytes and spaces; a character split over byte tokens decodes as
+    U+FFFD until its last byte, so the prefix is compared with the text, not only measured.
     """
     ids = completion_ids[:length].tolist()
-    decoded = lambda k: len(tokenizer.decode(ids[:k], skip_special_tokens=True))
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    reaches = lambda k, end: tokenizer.decode(ids[:k], skip_special_tokens=True)[:end] == text[:end]
     out = []
     for end in char_ends:
         lo, hi = 1, max(length, 1)
-        while lo < hi:  # smallest k with decoded(k) >= end
+        while lo < hi:  # smallest k whose decoded prefix holds text[:end]
             mid = (lo + hi) // 2
-            lo, hi = (mid + 1, hi) if decoded(mid) < end else (lo, mid)
+            lo, hi = (lo, mid) if reaches(mid, end) else (mid + 1, hi)
         out.append(max(lo - 1, 0))
     return out
 

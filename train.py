@@ -390,11 +390,12 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
                 logp, entropy, kl = logprobs(policy, ids, mask, c, args.temperature, with_entropy=True,
                                              group_size=share, ref=(ref.get_output_embeddings(), ref_h[j]) if full_kl else None)
             m_mask, old = loss_mask[rows, :c], None if old_logp is None else old_logp[rows, :c]
+            a = adv[rows, :c] if adv.dim() == 2 else adv[rows]  # process supervision: per token, (rows, c)
             # the sampler's numerics differ from the trainer's: reweight the policy term (truncated IS)
             w, w_stats = grpo.behaviour_weights(logp.detach() if old is None else old, r.sample_logp[rows, :c],
                                                 m_mask, args.is_mode, args.is_cap)
             loss, metrics = grpo.grpo_loss(
-                logp, old, ref_logp[rows, :c] if ref_logp is not None else None, adv[rows], m_mask, beta=args.beta,
+                logp, old, ref_logp[rows, :c] if ref_logp is not None else None, a, m_mask, beta=args.beta,
                 eps_low=args.eps, eps_high=eps_high, delta=args.delta, kl_estimator=args.kl_estimator, kl=kl,
                 loss_type=args.loss_type, importance_level=args.importance_level, entropy=entropy,
                 entropy_coef=args.entropy_coef, top_entropy_quantile=args.top_entropy_quantile, behaviour_weights=w,

