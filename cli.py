@@ -58,7 +58,8 @@ def parse(p, ranges, argv=None):
     if resume:
         ckpt_path, saved = read_checkpoint_config(p, resume)
         known = {a.dest for a in p._actions}
-        p.set_defaults(**{k: v for k, v in saved.items() if k in known and k not in ("resume", "overwrite")},
+        skip = ("resume", "overwrite", "out_dir")  # out_dir: where the checkpoint is now
+        p.set_defaults(**{k: v for k, v in saved.items() if k in known and k not in skip},
                        out_dir=os.path.dirname(os.path.abspath(ckpt_path)))
     for cfg in configs:  # e.g. a base config, then an ablation that changes two lines of it
         p.set_defaults(**cfg)
