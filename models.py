@@ -157,12 +157,13 @@ def stop_token_ids(tokenizer, model):
 # LoRA through peft
 
 
-def add_lora(model, rank, alpha, dropout, targets=LORA_TARGETS):
+def add_lora(model, rank, alpha, dropout, targets=LORA_TARGETS, seed=0):
     """`model` with peft LoRA adapters on the modules whose names end in one of `targets` (comma-separated).
 
     Only the adapters require grad; the base is frozen in whatever dtype it was loaded (peft keeps the
     adapters in fp32 even on a bf16 base). Adapter B starts at 0, so the wrapped model computes what the
     base computes until the first update. The model's own modules still run (rollout.py's plain path).
+    A is drawn from `seed` (peft draws it on the CPU): every rank of a run starts from the same adapters.
     """
     import warnings
     from peft import LoraConfig, get_peft_model
@@ -171,7 +172,9 @@ def add_lora(model, rank, alpha, dropout, targets=LORA_TARGETS):
     cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets.split(","),
                      task_type="CAUSAL_LM")
     try:
-        return get_peft_model(model, cfg)
+        with torch.random.fork_rng(devices=[]):  # the CPU generator, restored after
+            torch.default_generator.manual_seed(seed)
+            return get_peft_model(model, cfg)
     except ValueError as e:  # no module matched
         raise ModelError(f"--lora-targets {targets}: {str(e).splitlines()[0][:200]}") from None
 

@@ -17,6 +17,9 @@ final norm, lm_head (tied to the embeddings or not: one unit holds both, so they
   ranks stop decoding at different steps, so the loop must not issue collectives.
 """
 
+# torch.distributed.fsdp and .checkpoint are imported inside the functions that use them: ~1 s at
+# startup that runs without --fsdp do not need
+
 import os
 import shutil
 from contextlib import contextmanager, nullcontext

@@ -212,7 +212,7 @@ try:
     policy = load_model(args.model, home, torch.float32, matmul_dtype=dtype if args.lora_rank else None)
     if args.lora_rank:
         policy = add_lora(policy, args.lora_rank, args.lora_alpha or 2 * args.lora_rank, args.lora_dropout,
-                          args.lora_targets)
+                          args.lora_targets, seed=args.seed)  # the same adapters on every rank
     # the reference in the policy's numerics: matmul weights stored as autocast would cast them (sharded:
     # all weights in dtype, as FSDP gathers the policy's), so at step 0 the two passes give the same bits
     shard_ref = args.fsdp and ref_device == device  # --ref-device elsewhere: a whole reference there

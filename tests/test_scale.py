@@ -253,10 +253,11 @@ def test_eval_export_needs_a_checkpoint_and_a_new_directory(model_dir, tmp_path,
 # FSDP2: two CPU processes, gloo
 
 
-def torchrun(args, timeout=120):
+def torchrun(args, timeout=120, **env):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
            "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", TOY_TRAIN, *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=REPO, env={**subprocess_env(), **env}, capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -266,6 +267,18 @@ def fp32_state(path):
     if os.path.isdir(path):
         return AutoModelForCausalLM.from_pretrained(path).state_dict()
     return torch.load(path, weights_only=False)["model"]
+
+
+def assert_same_training(want, got, lr=1e-3, steps=2):
+    """Weights after `steps` AdamW updates that summed the same fp32 gradients in different orders, so the
+    gradients differ in their last bits. AdamW's update lr * m / (sqrt(v) + 1e-8) keeps that relative error
+    (~1e-7) for an element whose gradient is well above 1e-8: such elements agree to steps * lr * 1e-6 plus
+    an ulp of the weight, under 1e-6. An element whose gradient is itself rounding noise near 1e-8 (sums
+    that cancel) can move anywhere in [-lr, lr] per step; a handful do (2 of 20k measured): so 1e-6 for
+    all but 0.1% of the elements, 2 * steps * lr for every one."""
+    assert want.keys() <= got.keys()
+    diff = torch.cat([(want[k] - got[k]).abs().flatten() for k in want])
+    assert (diff > 1e-6).float().mean() < 1e-3 and diff.max() <= 2 * steps * lr, diff.max()
 
 
 @pytest.fixture(scope="module")
@@ -284,23 +297,15 @@ def three_runs(model_dir, tmp_path_factory):
 
 @pytest.mark.slow
 def test_fsdp_two_processes_equal_one_process_and_the_all_reduce_path(three_runs, model_dir):
-    """Parameters after 2 steps. The runs sum the same fp32 gradients in different orders (FSDP reduce-scatters
-    each micro-batch's gradient), so gradients differ in their last bits. AdamW's update
-    lr * m / (sqrt(v) + 1e-8) keeps that relative error (~1e-7) for an element whose gradient is well above
-    1e-8: such elements agree to 2 steps * lr * 1e-6 plus an ulp of the weight, under 1e-6. An element whose
-    gradient is itself rounding noise near 1e-8 (sums that cancel) can move anywhere in [-lr, lr] per step:
-    a handful do (2 of 20k measured); so: 1e-6 for all but 0.1% of elements, 2 * steps * lr for every one.
-    AdamW does not see a gradient's scale, so the logged global gradient norm checks the averaging and the
-    clipping: equal to 1e-5 relative."""
+    """Parameters after 2 steps, to the bounds of assert_same_training (FSDP reduce-scatters each
+    micro-batch's gradient: another order of the same fp32 sums). AdamW does not see a gradient's scale,
+    so the logged global gradient norm checks the averaging and the clipping: equal to 1e-5 relative."""
     init = fresh(model_dir).state_dict()
     one = fp32_state(os.path.join(three_runs["one"], "ckpt.pt"))
-    for other in (fp32_state(os.path.join(three_runs["ddp"], "ckpt.pt")),
-                  fp32_state(os.path.join(three_runs["fsdp"], "hf"))):
-        assert one.keys() <= other.keys()
-        diff = torch.cat([(one[k] - other[k]).abs().flatten() for k in one])
-        assert (diff > 1e-6).float().mean() < 1e-3 and diff.max() <= 2 * 2 * 1e-3, diff.max()
-        for k in one:
-            assert (one[k] - init[k]).abs().max() > 1e-4, k  # every tensor trained
+    for k in one:
+        assert (one[k] - init[k]).abs().max() > 1e-4, k  # every tensor trained
+    assert_same_training(one, fp32_state(os.path.join(three_runs["ddp"], "ckpt.pt")))
+    assert_same_training(one, fp32_state(os.path.join(three_runs["fsdp"], "hf")))
     rows = {k: read_metrics(v) for k, v in three_runs.items()}
     assert [r["step"] for r in rows["fsdp"]] == [0, 1, 1, 2, 2]  # eval rows at 0, 1, 2 and the two steps
     for name in ("ddp", "fsdp"):
@@ -340,3 +345,17 @@ def test_eval_export_and_eval_from_a_dcp_run(three_runs, tmp_path):
     run_script(EVAL, ["--task", "toy", "--ckpt", run, "--limit", 2, "--max-new-tokens", 6, "--dtype", "float32",
                       "--device", "cpu", "--out", preds])
     assert len(open(preds).readlines()) == 2
+
+
+@pytest.mark.slow
+def test_lora_on_two_processes_starts_alike_and_averages_the_adapters(model_dir, tmp_path):
+    """peft draws A from the global RNG, which train.py seeds per rank: the adapters are drawn from --seed
+    instead, so both ranks start from, and keep, the same adapters, and 2 processes train as 1 does."""
+    one, two, dump = str(tmp_path / "one"), str(tmp_path / "two"), str(tmp_path / "params")
+    run_script(TRAIN, train_args(model_dir, one, *LORA, "--export", "none", steps=2))
+    torchrun(train_args(model_dir, two, *LORA, "--export", "none", steps=2), TOY_DUMP_PARAMS=dump)
+    p0, p1 = torch.load(dump + ".rank0.pt"), torch.load(dump + ".rank1.pt")
+    for k, v in p0.items():
+        assert torch.equal(v, p1[k]), k
+    a, b = (torch.load(os.path.join(d, "ckpt.pt"), weights_only=False)["model"] for d in (one, two))
+    assert_same_training(a, b)
