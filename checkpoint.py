@@ -4,15 +4,22 @@ Checkpoints of a train.py run: written whole or not at all, never mixed with ano
 `ckpt.pt` holds everything needed to continue exactly (model or adapter weights, optimizer, scheduler,
 grad scaler, step, flags, every rank's RNG states). It is written to `ckpt.pt.tmp` and renamed over the
 old one, so a kill mid-write leaves the last good checkpoint; a failed write (a full disk) removes the
-temp file and says where space is needed.
+temp file and says where space is needed. A sharded (--fsdp) run keeps its model and optimizer in a
+DCP directory (parallel.save) that ckpt.pt names; a new one is written beside it before ckpt.pt moves.
+
+`export_hf` writes a Hugging Face folder (save_pretrained + tokenizer + generation config) the same way:
+into a temp directory, renamed into place.
 """
 
 import math
 import os
+import shutil
+import tempfile
 
 import torch
 
 RUN_FILES = ("metrics.jsonl", "ckpt.pt", "config.json")  # what makes a directory hold a run
+DCP_PREFIX = "dcp-"  # out_dir/dcp-000040: a sharded run's model and optimizer after step 40 (parallel.save)
 
 
 def state_bytes(obj):
@@ -53,3 +60,48 @@ def clear_run(out_dir):
         path = os.path.join(out_dir, f)
         if os.path.exists(path):
             os.remove(path)
+    for f in os.listdir(out_dir):  # its export (and a temp one), its DCP checkpoints
+        if f in ("hf", "hf.old") or f.startswith((".hf.", DCP_PREFIX)):
+            shutil.rmtree(os.path.join(out_dir, f), ignore_errors=True)
+
+
+def export_hf(model, tokenizer, path, dtype, adapter=False, state_dict=None):
+    """Write `model` as a folder that AutoModelForCausalLM.from_pretrained loads -> None, or a one-line
+    reason it could not be written (the previous folder at path kept).
+
+    A plain model is saved with its weights in `dtype`; a LoRA (peft) model is merged into its base first
+    (peft's merge_and_unload, which changes `model` in place), or with adapter=True saved as a peft
+    adapter folder (fp32 adapter weights; transformers loads it on top of base_model_name_or_path).
+    state_dict: the gathered weights of a sharded model (parallel.full_state_dict), saved instead of
+    model.state_dict(). Written into a temp directory beside path, then renamed.
+    """
+    from models import is_lora, plain_copy
+    parent = os.path.dirname(os.path.abspath(path))
+    tmp = old = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".hf.", dir=parent)
+        if adapter:
+            model.save_pretrained(tmp)
+        else:
+            if is_lora(model):
+                model, state_dict = model.merge_and_unload(), None
+            plain_copy(model.config, state_dict if state_dict is not None else model.state_dict(), dtype,
+                       model.generation_config).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        if os.path.exists(path):
+            old = path + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        tmp = None
+        if old:
+            shutil.rmtree(old)
+        return None
+    except OSError as e:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if old and not os.path.exists(path) and os.path.exists(old):
+            os.replace(old, path)  # put the previous export back
+        return f"could not write {path} ({e.strerror or e}); the previous export there is kept"

@@ -4,22 +4,29 @@ Accuracy of a model or a train.py checkpoint on a task's test split.
     python eval.py --task gsm8k --model smollm2-135m --limit 200
     python eval.py --task arith --ckpt out/arith            # a train.py run (its ckpt.pt)
     python eval.py --task gsm8k --model X --n 8 --temperature 1.0   # sampled pass@8
+    python eval.py --ckpt out/arith --export out/arith_hf    # a HF folder from a checkpoint; no eval
 
 Greedy decoding by default (n=1). Reports strict accuracy (the `#### N` / \\boxed{} final-answer
 line is right), flexible accuracy (the last number in the text is right) and the format rate,
 writes one jsonl line per prediction, and prints a one-line summary. train.py reuses `evaluate`.
+A checkpoint may be a full fine-tune, a LoRA run (its adapters merged into the base for evaluation)
+or an --fsdp run (its DCP shards read by this one process).
 """
 
 import argparse
 import json
 import os
+import sys
 
 import torch
 from tqdm import tqdm
 
+import checkpoint
 import cli
 import lean
-from models import DTYPES, ModelError, check_dtype, load_model, load_tokenizer, resolve_device, stop_token_ids
+import parallel
+from models import (DTYPES, ModelError, add_lora, check_dtype, load_model, load_tokenizer, load_trainable_state,
+                    resolve_device, stop_token_ids)
 from rollout import HFDecoder, sample
 from tasks import TASKS, DataError
 
@@ -60,8 +67,13 @@ def evaluate(model, tokenizer, task, examples, max_new_tokens=256, batch_size=32
     return summary, records
 
 
-def load_checkpoint_model(path, device, dtype):
-    """A train.py checkpoint (ckpt.pt or its run dir) -> (model, tokenizer, config)."""
+def load_checkpoint_model(path, device, dtype, merge=True):
+    """A train.py checkpoint (ckpt.pt or its run dir) -> (model, tokenizer, config).
+
+    A LoRA run gives its base with the adapters merged in (peft's merge_and_unload, in fp32, then cast
+    to dtype), or with merge=False the peft model itself (fp32). An --fsdp run's shards are read from
+    the DCP directory its ckpt.pt names.
+    """
     path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
     if not os.path.isfile(path):
         raise ModelError(f"no checkpoint at {path}; pass a train.py --out-dir or its ckpt.pt")
@@ -70,9 +82,21 @@ def load_checkpoint_model(path, device, dtype):
         cfg = ckpt["config"]
     except Exception as e:  # truncated or foreign file
         raise ModelError(f"checkpoint {path} is unreadable ({type(e).__name__}); pass another one") from None
-    model = load_model(cfg["model"], device, dtype, trainable=False)
-    model.load_state_dict(ckpt["model"])
-    return model, load_tokenizer(cfg["model"]), cfg
+    rank = cfg.get("lora_rank", 0)
+    if "dcp" in ckpt:  # an --fsdp run: fp32 master weights, sharded
+        model = load_model(cfg["model"], torch.device("cpu"), torch.float32, trainable=False)
+        parallel.load(os.path.join(os.path.dirname(path), ckpt["dcp"]), model)
+    elif rank:  # the adapters, on the fp32 base they were trained on
+        model = add_lora(load_model(cfg["model"], torch.device("cpu"), torch.float32, trainable=False), rank,
+                         cfg["lora_alpha"] or 2 * rank, cfg["lora_dropout"], cfg["lora_targets"])
+        load_trainable_state(model, ckpt["model"])
+        if not merge:
+            return model, load_tokenizer(cfg["model"]), cfg
+        model = model.merge_and_unload()
+    else:
+        model = load_model(cfg["model"], device, dtype, trainable=False)
+        model.load_state_dict(ckpt["model"])
+    return model.to(device, dtype), load_tokenizer(cfg["model"]), cfg
 
 
 def main():
@@ -94,9 +118,16 @@ def main():
                    help="lean.py's decode step for plain Llama/Qwen2 models; auto = on CPU when its check passes")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None, help="predictions jsonl (default: beside the ckpt, or ./predictions.jsonl)")
+    p.add_argument("--export", default=None, metavar="DIR",
+                   help="write --ckpt as a HF folder (weights in --dtype, LoRA merged) to DIR instead of evaluating")
+    p.add_argument("--adapter", action="store_true", help="with --export: a LoRA run's adapters as a peft folder")
     args = p.parse_args()
     cli.check(p, args, {"limit": ">= 1", "n": ">= 1", "temperature": "> 0", "max_new_tokens": ">= 1",
-                        "batch_size": ">= 1", "seed": ">= 0"}, nullable=("limit", "model", "ckpt", "data_dir", "out"))
+                        "batch_size": ">= 1", "seed": ">= 0"},
+              nullable=("limit", "model", "ckpt", "data_dir", "out", "export"))
+    if args.export is not None:
+        export(p, args)
+        return
     out = args.out or (os.path.join(args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(args.ckpt),
                                     f"predictions_{args.task}_{args.split}.jsonl") if args.ckpt else "predictions.jsonl")
     try:  # before the evaluation, not after it: a bad path must not cost the run
@@ -131,6 +162,24 @@ def main():
     print(f"{args.task}/{args.split} {args.ckpt or args.model or 'smollm2-135m'}: " +
           " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()) +
           f" -> {out}")
+
+
+def export(p, args):
+    """eval.py --ckpt RUN --export DIR [--adapter]: the checkpoint as a folder transformers loads."""
+    if not args.ckpt:
+        p.error("--export needs --ckpt (a train.py run); a --model is already a HF model")
+    if os.path.exists(args.export) and (not os.path.isdir(args.export) or os.listdir(args.export)):
+        p.error(f"--export {args.export} exists and is not an empty directory; pass a new one")
+    try:
+        model, tok, cfg = load_checkpoint_model(args.ckpt, torch.device("cpu"), torch.float32, merge=False)
+    except ModelError as e:
+        p.error(str(e))
+    if args.adapter and not cfg.get("lora_rank"):
+        p.error(f"--adapter: {args.ckpt} is a full fine-tune, not a LoRA run; drop --adapter")
+    failed = checkpoint.export_hf(model, tok, args.export, DTYPES[args.dtype], adapter=args.adapter)
+    if failed:
+        sys.exit(f"error: {failed}")
+    print(f"exported {args.ckpt} ({'adapter' if args.adapter else args.dtype}) to {args.export}")
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ GRPO (DeepSeekMath, arXiv 2402.03300 §4) on a Hugging Face causal LM. Reads top
     python train.py --task gsm8k                          # defaults below
     python train.py --config configs/arith_smollm2_cpu.py  # a config file, then flags override it
     torchrun --nproc_per_node=2 train.py --config ...      # several GPUs (or CPU processes, gloo)
+    python train.py --config ... --lora-rank 16            # LoRA adapters (peft) on a frozen base
+    torchrun --nproc_per_node=8 train.py --config ... --fsdp  # weights, grads, Adam states sharded (FSDP2)
 
 Each step: sample prompts -> G completions each -> rewards -> group advantages -> reference
 log-probs -> mu passes of micro-batched loss, gradient accumulation, clip, optimizer step.
@@ -14,10 +16,13 @@ Where the defaults depart from the paper (grpo.py's docstring lists the variants
 - sampling runs in --dtype (bf16 by default) from the policy itself; max_dlogp in the logs measures
   how far the sampling pass is from the training pass;
 - multi-process runs average gradients with one all-reduce per update instead of wrapping in DDP,
-  because the log-prob pass calls the decoder and the LM head separately (rollout.token_logprobs).
+  because the log-prob pass calls the decoder and the LM head separately (rollout.token_logprobs);
+  --fsdp shards instead, with DCP checkpoints (parallel.py says how the root is handled).
+At the end the policy is written to OUT_DIR/hf, a folder transformers and vLLM load (--export).
 """
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -35,10 +40,12 @@ import checkpoint
 import cli
 import grpo
 import lean
+import parallel
 import rollout
 from eval import evaluate
 from metrics import TRACKERS, MetricsLog, check_tracker
-from models import DTYPES, ModelError, check_dtype, load_model, load_tokenizer, resolve_device, stop_token_ids
+from models import (DTYPES, LORA_TARGETS, ModelError, add_lora, check_dtype, load_model, load_tokenizer,
+                    load_trainable_state, resolve_device, stop_token_ids, trainable_state, without_adapters)
 from rewards import RewardError, combine_rewards, overlong_reward
 from rollout import micro_batches, sample
 from tasks import TASKS, DataError
@@ -121,6 +128,17 @@ g.add_argument("--save-every", type=int, default=50, help="steps between checkpo
 g.add_argument("--resume", default=None, help="out dir or ckpt.pt to continue from")
 g.add_argument("--log-completions", type=int, default=10, help="print a sample completion every N steps; 0 = never")
 g.add_argument("--log-to", default="none", choices=TRACKERS, help="metrics.jsonl always; also this tracker")
+# --- scale: LoRA adapters (peft), sharding (FSDP2), the Hugging Face export
+g = p.add_argument_group("scale: LoRA (peft), FSDP2, Hugging Face export")
+g.add_argument("--lora-rank", type=int, default=0, help="LoRA rank (needs: pip install peft); 0 = full fine-tuning")
+g.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale = alpha / rank; None = 2 x rank")
+g.add_argument("--lora-dropout", type=float, default=0.0,
+               help="dropout on the adapters' input; > 0 makes the training log-probs differ from sampling's")
+g.add_argument("--lora-targets", default=LORA_TARGETS, help="comma-separated names of the modules that get adapters")
+g.add_argument("--fsdp", action="store_true",
+               help="under torchrun: shard weights, grads and AdamW states over the processes (FSDP2, DCP checkpoints)")
+g.add_argument("--export", default="model", choices=["model", "adapter", "none"],
+               help="at the end, OUT_DIR/hf: model = a HF model in --dtype (LoRA merged in); adapter = a peft folder")
 # every numeric flag's valid values, checked with its type before anything loads
 RANGES = {"group_size": ">= 2", "prompts_per_step": ">= 1", "micro_batch": ">= 1", "max_new_tokens": ">= 1",
           "max_prompt_tokens": ">= 1", "temperature": "> 0", "top_p": "(0, 1]", "top_k": ">= 0", "steps": ">= 1",
@@ -128,7 +146,7 @@ RANGES = {"group_size": ">= 2", "prompts_per_step": ">= 1", "micro_batch": ">= 1
           "beta": ">= 0", "eps": "[0, 1)", "eps_high": ">= 0", "delta": "> 1", "top_entropy_quantile": "(0, 1]",
           "ref_sync_every": ">= 0", "ref_sync_alpha": "(0, 1]", "seed": ">= 0", "eval_every": ">= 0",
           "eval_n": ">= 0", "save_every": ">= 0", "log_completions": ">= 0", "max_resample": ">= 0", "is_cap": "> 0",
-          "overlong_buffer": ">= 0"}
+          "overlong_buffer": ">= 0", "lora_rank": ">= 0", "lora_alpha": "> 0", "lora_dropout": "[0, 1)"}
 args, ckpt_path = cli.parse(p, RANGES)
 eps_high = args.eps if args.eps_high is None else args.eps_high
 
@@ -147,6 +165,22 @@ if eps_high < args.eps:
     p.error(f"--eps-high {eps_high} < --eps {args.eps}: clip-higher needs eps_high >= eps")
 if args.delta is not None and args.delta <= 1 + eps_high:
     p.error(f"--delta {args.delta} must be > 1 + eps_high = {1 + eps_high}")
+# LoRA, FSDP2, export: what combines with what
+lora_ref = args.lora_rank > 0 and not args.ref_model  # the reference is the policy with its adapters disabled
+if args.lora_rank and importlib.util.find_spec("peft") is None:
+    p.error("--lora-rank needs peft: pip install peft")
+if args.lora_rank and args.fsdp:
+    p.error("--lora-rank with --fsdp is not supported: a frozen bf16 base fits one device up to ~14B; drop --fsdp")
+if args.lora_rank and (args.ref_sync_every or lora_ref and args.ref_device):
+    p.error("--lora-rank: the reference is the base (adapters off); it cannot take --ref-sync-every or --ref-device")
+if lora_ref and args.kl_estimator == "full" and "lm_head" in args.lora_targets:
+    p.error("--kl-estimator full with a LoRA reference needs the lm_head without adapters: drop it from --lora-targets")
+if args.export == "adapter" and not args.lora_rank:
+    p.error("--export adapter needs --lora-rank; a full fine-tune exports as --export model")
+if args.fsdp and (args.ref_sync_every or args.dtype == "float16"):
+    p.error("--fsdp supports neither --ref-sync-every nor --dtype float16 (use bfloat16)")
+if args.fsdp and not ddp:
+    p.error("--fsdp shards over torchrun's processes: torchrun --nproc_per_node N train.py ... --fsdp")
 task = TASKS[args.task]
 reward_fns, weights = dict(task.reward_fns), dict(task.reward_weights)
 if args.overlong_buffer:  # DAPO eq. 13 beside the task's rewards, with its own weight
@@ -200,11 +234,23 @@ autocast = torch.autocast(device_type=device.type, dtype=dtype, enabled=dtype !=
 # models and data
 try:
     tokenizer = load_tokenizer(args.model)
-    policy = load_model(args.model, device, torch.float32)  # fp32 master weights; sampling reads them too
-    # the reference in the policy's numerics: matmul weights stored as autocast would cast them, so at
-    # step 0 (policy == reference) the two passes give the same bits and the KL is exactly 0
-    ref = load_model(args.ref_model or args.model, ref_device, torch.float32, trainable=False,
-                     matmul_dtype=dtype) if args.beta > 0 else None
+    home = torch.device("cpu") if args.fsdp else device  # --fsdp: each rank moves only its shards to device
+    # fp32 master weights; sampling reads them too. LoRA: the frozen base's matmul weights in the compute
+    # dtype (under autocast the same bits as fp32 ones), the adapters fp32
+    policy = load_model(args.model, home, torch.float32, matmul_dtype=dtype if args.lora_rank else None)
+    if args.lora_rank:
+        policy = add_lora(policy, args.lora_rank, args.lora_alpha or 2 * args.lora_rank, args.lora_dropout,
+                          args.lora_targets, seed=args.seed)  # the same adapters on every rank
+    # the reference in the policy's numerics: matmul weights stored as autocast would cast them (sharded:
+    # all weights in dtype, as FSDP gathers the policy's), so at step 0 the two passes give the same bits
+    shard_ref = args.fsdp and ref_device == device  # --ref-device elsewhere: a whole reference there
+    ref = load_model(args.ref_model or args.model, home if shard_ref else ref_device,
+                     dtype if shard_ref else torch.float32, trainable=False,
+                     matmul_dtype=dtype) if args.beta > 0 and not lora_ref else None
+    if args.fsdp:  # each decoder layer a unit, the root the rest (parallel.py)
+        parallel.shard(policy, device, dtype)
+        if shard_ref and ref is not None:
+            parallel.shard(ref, device, dtype)
     train_set = task.load("train", data_dir=args.data_dir)
     test_set = task.load("test", data_dir=args.data_dir)[:args.eval_n] if master and args.eval_n else []
 except (ModelError, DataError) as e:
@@ -231,6 +277,12 @@ logprobs = lean.token_logprobs if use_lean else rollout.token_logprobs
 ref_lean = use_lean and ref is not None and lean.check(ref)[0]
 ref_logprobs, ref_hidden = (lean.token_logprobs, lean.completion_hidden) if ref_lean else \
     (rollout.token_logprobs, rollout.completion_hidden)
+if lora_ref and args.beta > 0:  # the reference pass: the policy with its adapters disabled (no second copy)
+    ref, ref_logprobs, ref_hidden = policy, without_adapters(rollout.token_logprobs), \
+        without_adapters(rollout.completion_hidden)
+if args.fsdp:  # the log-prob pass calls the decoder and lm_head, not the root: gather the root first
+    logprobs, ref_logprobs = parallel.root_unsharded(logprobs), parallel.root_unsharded(ref_logprobs)
+    ref_hidden = parallel.root_unsharded(ref_hidden)
 share = lean.shared_prompt_rows(args.group_size, args.micro_batch)  # rows of a micro-batch sharing a prompt
 params = [q for q in policy.parameters() if q.requires_grad]
 optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay,
@@ -240,8 +292,14 @@ scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp
 start_step = 0
 if ckpt_path is not None:
     ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-    policy.load_state_dict(ckpt["model"])
-    optimizer.load_state_dict(ckpt["optimizer"])
+    if ("dcp" in ckpt) != args.fsdp or ckpt["config"].get("lora_rank", 0) != args.lora_rank:
+        p.error(f"--resume: {ckpt_path} was written with --fsdp {'dcp' in ckpt}, --lora-rank "
+                f"{ckpt['config'].get('lora_rank', 0)}: resume with the same")
+    if args.fsdp:  # each rank reads its shards of the model and optimizer (DCP)
+        parallel.load(os.path.join(os.path.dirname(ckpt_path), ckpt["dcp"]), policy, optimizer)
+    else:
+        load_trainable_state(policy, ckpt["model"])  # LoRA: the adapters
+        optimizer.load_state_dict(ckpt["optimizer"])
     scheduler.load_state_dict(ckpt["scheduler"])
     scaler.load_state_dict(ckpt["scaler"])
     if ref is not None and ckpt.get("ref") is not None:
@@ -272,9 +330,10 @@ def rollout_step(step):
         idx, slots = batch.prompt_indices(len(train_set), args.prompts_per_step, step, args.seed, rank * local_prompts,
                                           local_prompts, attempt)
         examples = [train_set[i] for i in idx]
-        r = sample(policy, tokenizer, [task.prompt(ex) for ex in examples], G, args.max_new_tokens, stops,
-                   args.temperature, args.top_p, args.top_k, batch.generators(args.seed, step, slots), dtype, decoder,
-                   max_prompt)
+        with parallel.gathered(policy):  # --fsdp: the whole model, so the decode loop issues no collective
+            r = sample(policy, tokenizer, [task.prompt(ex) for ex in examples], G, args.max_new_tokens, stops,
+                       args.temperature, args.top_p, args.top_k, batch.generators(args.seed, step, slots), dtype,
+                       decoder, max_prompt)
         fields = {k: [ex[k] for ex in examples for _ in range(G)] for k in examples[0]}
         try:
             total, per_fn = combine_rewards(reward_fns, weights, r.completions,
@@ -315,22 +374,31 @@ def all_reduce(x, op="mean"):
 
 def save_checkpoint(step):
     """Everything needed to continue exactly -> None, or why it could not be written (the last good one stays)."""
-    state = {"model": policy.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-             "scaler": scaler.state_dict(), "step": step, "config": vars(args),
+    state = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "step": step, "config": vars(args),
              "ref": ref.state_dict() if ref is not None and args.ref_sync_every else None}
+    if args.fsdp:  # each rank writes its shards of the model and optimizer (DCP); ckpt.pt names the directory
+        state["dcp"], failed = parallel.save(policy, optimizer, args.out_dir, step)
+        if failed:
+            return failed
+    else:  # LoRA: the adapters only
+        state.update(model=trainable_state(policy), optimizer=optimizer.state_dict())
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     gathered = [None] * world
     dist.all_gather_object(gathered, rng) if ddp else gathered.__setitem__(0, rng)
     state["rng"] = gathered
-    return checkpoint.save(state, os.path.join(args.out_dir, "ckpt.pt")) if master else None
+    failed = checkpoint.save(state, os.path.join(args.out_dir, "ckpt.pt")) if master else None
+    if master and args.fsdp and not failed:
+        parallel.remove_old(args.out_dir, keep=state["dcp"])
+    return failed
 
 
 def run_eval(step):
-    if master and test_set:
-        summary, _ = evaluate(policy, tokenizer, task, test_set, args.max_new_tokens, progress=False, dtype=dtype,
-                              decoder=decoder)
-        print(f"eval step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in summary.items()))
-        log.write({"step": step, **{f"eval/{k}": v for k, v in summary.items()}})
+    with parallel.gathered(policy):  # --fsdp: every rank gathers the weights, rank 0 evaluates
+        if master and test_set:
+            summary, _ = evaluate(policy, tokenizer, task, test_set, args.max_new_tokens, progress=False,
+                                  dtype=dtype, decoder=decoder)
+            print(f"eval step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in summary.items()))
+            log.write({"step": step, **{f"eval/{k}": v for k, v in summary.items()}})
 
 
 # -----------------------------------------------------------------------------
@@ -407,13 +475,10 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
                 metrics["is_capped"] = w_stats["is_capped"]
             for k, v in metrics.items():
                 stats[k] = stats.get(k, []) + [v.float()]
-        if ddp:  # average gradients over ranks (each rank owns whole groups)
-            for h in [dist.all_reduce(q.grad, async_op=True) for q in params if q.grad is not None]:
-                h.wait()
-            for q in params:
-                q.grad is not None and q.grad.div_(world)
+        if ddp and not args.fsdp:  # average gradients over ranks (each rank owns whole groups); FSDP did
+            parallel.average_gradients(params, world)
         scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))
+        grad_norm = parallel.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))
         # fp16 overflows are the scaler's business (it skips and lowers the scale); anything else non-finite is ours
         if torch.isfinite(sum(stats["loss"][-n_micro:])) and (scaler.is_enabled() or torch.isfinite(grad_norm)):
             scaler.step(optimizer)
@@ -469,12 +534,19 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
             tqdm.write(f"warning: step {step + 1}: {save_failed}")
 
 # -----------------------------------------------------------------------------
-# final eval
+# final eval, then the export (last: a LoRA policy is merged into its base in place)
 if start_step < args.steps:
     run_eval(args.steps)
+export_failed = None
+if args.export != "none" and start_step < args.steps:
+    state = parallel.full_state_dict(policy) if args.fsdp else None  # every rank: the shards, gathered on rank 0
+    if master:
+        hf = os.path.join(args.out_dir, "hf")
+        export_failed = checkpoint.export_hf(policy, tokenizer, hf, dtype, args.export == "adapter", state)
+        print(f"warning: {export_failed}" if export_failed else f"exported the policy ({args.export}) to {hf}")
 if master:
     log.close()
 if ddp:
     dist.destroy_process_group()
-if save_failed:
-    sys.exit(f"error: the last checkpoint was not written: {save_failed}")
+if save_failed or export_failed:
+    sys.exit(f"error: {'the last checkpoint was not written: ' + save_failed if save_failed else export_failed}")
