@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
@@ -323,7 +324,8 @@ def _check_outer(model):
     refuse what only model(...) would do, rather than compute something else."""
     name, cfg = type(model).__name__, getattr(model, "active_peft_config", None)
     where = "which the log-prob pass does not run (it calls model.get_decoder() and the lm_head module)"
-    if model._forward_hooks or model._forward_pre_hooks:
+    fsdp = isinstance(model, FSDPModule)  # its own hooks gather the root, which parallel.root_unsharded does here
+    if (model._forward_hooks or model._forward_pre_hooks) and not fsdp:
         raise ValueError(f"{name} has a forward hook on the whole model, {where}: register it on those")
     if not type(model).forward.__module__.startswith(("transformers.", "peft.")):
         raise ValueError(f"{name} overrides forward(), {where}: make the change in the decoder or the lm_head")

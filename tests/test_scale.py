@@ -113,7 +113,7 @@ def test_lora_base_in_bfloat16_adapters_in_float32(model_dir, tmp_path):
               for n, q in g["policy"].named_parameters()}
     assert dtypes == {("default", torch.float32), ("base_linear", torch.bfloat16), ("rest", torch.float32)}
     [row] = read_metrics(str(tmp_path))
-    assert row["kl"] == 0 and 0 < row["max_dlogp"] < 1  # the base in bf16 is the reference: same bits at step 0
+    assert row["kl"] == 0 and 0 < row["dlogp_max"] < 1  # the base in bf16 is the reference: same bits at step 0
 
 
 @pytest.mark.slow
