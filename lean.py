@@ -298,7 +298,9 @@ def _layer(layer, x, cos, sin, masks, B, P, G, idx, dtype):
     q, k, v = _NormLinears.apply(x, norm1.weight, norm1.variance_epsilon, dtype, a.q_proj.weight, a.q_proj.bias,
                                  a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias)  # (T, heads D)
     T = x.size(0)
-    q, k, v = _rotate(q.view(T, H, D), cos, sin), _rotate(k.view(T, KV, D), cos, sin), v.view(T, KV, D)
+    # rotated in cos/sin's dtype (the residual stream's, as HF), then rounded once to the matmul dtype
+    q, k = (_rotate(t.view(T, -1, D), cos, sin).to(dtype) for t in (q, k))  # (T, heads, D) each
+    v = v.view(T, KV, D)
     heads = lambda t, rows: t.view(rows, -1, *t.shape[1:]).transpose(1, 2)  # (rows, heads, len, D)
     n = B * P
     # q's prompt rows as a copy: SDPA keeps its inputs, and a view would keep all of q (grid(q) is another)
@@ -359,7 +361,7 @@ def hidden_states(model, ids, mask, num_completion, group_size=1):
         flat_ids = torch.cat([flat_ids, ids[:, P:-1].reshape(-1)[idx]])  # (B P + len(idx),)
         flat_pos = torch.cat([flat_pos, pos[:, P:-1].reshape(-1)[idx]])
     x = dec.embed_tokens(flat_ids)  # (T, E)
-    cos, sin = (t[0, :, None].to(dtype) for t in dec.rotary_emb(x, flat_pos[None]))  # (T, 1, D) each
+    cos, sin = (t[0, :, None] for t in dec.rotary_emb(x, flat_pos[None]))  # (T, 1, D) each, in x's dtype
     recompute = model.training and getattr(model, "is_activation_checkpointing", False) and torch.is_grad_enabled()
     for layer in dec.layers:
         args = (layer, x, cos, sin, masks, B, P, G, idx, dtype)
