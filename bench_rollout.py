@@ -37,7 +37,7 @@ import transformers
 
 import lean
 import models
-from rollout import encode_prompts, left_pad, sample, token_logprobs
+from rollout import HFDecoder, encode_prompts, left_pad, sample, token_logprobs
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -82,7 +82,7 @@ def logprob_pass(model, impl, mode, N, P, C):
     mask = torch.ones_like(ids)
     with torch.set_grad_enabled(mode == "grad"):
         if impl == "ours":
-            logp, _ = token_logprobs(model, ids, mask, C)  # (N, C)
+            logp = token_logprobs(model, ids, mask, C)[0]  # (N, C)
         else:
             pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (N, P+C)
             logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits  # (N, P+C, V)
@@ -147,15 +147,11 @@ def timed(fn, repeats):
 
 
 def ours(model, dtype=None, use_lean=True):
+    decoder = lean.LeanDecoder if use_lean else HFDecoder  # HFDecoder: the model's forward and its DynamicCache
+
     def run(new_tokens):
-        supports = lean.supports
-        if not use_lean:  # every decode step through the HF forward and its DynamicCache
-            lean.supports = lambda m: False
-        try:
-            r = sample(model, tok, prompts, G, new_tokens, [never], temperature=1.0,
-                       generator=torch.Generator().manual_seed(0), dtype=dtype)
-        finally:
-            lean.supports = supports
+        r = sample(model, tok, prompts, G, new_tokens, [never], temperature=1.0,
+                   generator=torch.Generator().manual_seed(0), dtype=dtype, decoder=decoder)
         if new_tokens == T:
             assert r.completion_ids.shape == (N, T) and bool(r.truncated.all()), "a row stopped early"
         return r

@@ -308,7 +308,9 @@ def _layer(layer, x, cos, sin, masks, B, P, G, idx, dtype):
     q, k, v = _NormLinears.apply(x, norm1.weight, norm1.variance_epsilon, dtype, a.q_proj.weight, a.q_proj.bias,
                                  a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias)  # (T, heads D)
     T = x.size(0)
-    q, k, v = _rotate(q.view(T, H, D), cos, sin), _rotate(k.view(T, KV, D), cos, sin), v.view(T, KV, D)
+    # rotated in cos/sin's dtype (the residual stream's, as HF), then rounded once to the matmul dtype
+    q, k = (_rotate(t.view(T, -1, D), cos, sin).to(dtype) for t in (q, k))  # (T, heads, D) each
+    v = v.view(T, KV, D)
     heads = lambda t, rows: t.view(rows, -1, *t.shape[1:]).transpose(1, 2)  # (rows, heads, len, D)
     n = B * P
     # q's prompt rows as a copy: SDPA keeps its inputs, and a view would keep all of q (grid(q) is another)
@@ -369,7 +371,7 @@ def hidden_states(model, ids, mask, num_completion, group_size=1):
         flat_ids = torch.cat([flat_ids, ids[:, P:-1].reshape(-1)[idx]])  # (B P + len(idx),)
         flat_pos = torch.cat([flat_pos, pos[:, P:-1].reshape(-1)[idx]])
     x = dec.embed_tokens(flat_ids)  # (T, E)
-    cos, sin = (t[0, :, None].to(dtype) for t in dec.rotary_emb(x, flat_pos[None]))  # (T, 1, D) each
+    cos, sin = (t[0, :, None] for t in dec.rotary_emb(x, flat_pos[None]))  # (T, 1, D) each, in x's dtype
     recompute = model.training and getattr(model, "is_activation_checkpointing", False) and torch.is_grad_enabled()
     for layer in dec.layers:
         args = (layer, x, cos, sin, masks, B, P, G, idx, dtype)
@@ -488,15 +490,12 @@ def _pack(w, rows):
     return w, False
 
 
-def _linear(x, w, b=None, add=None):
-    """x @ w.T + b (+ add), w from _pack: on packed weights oneDNN adds `add` inside the matmul."""
+def _linear(x, w, b=None):
+    """x @ w.T + b, w from _pack."""
     w, packed = w
     if packed:
-        if add is None:
-            return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-        return torch.ops.mkldnn._linear_pointwise.binary(x, add, w, b, "add")
-    out = F.linear(x, w, b)
-    return out if add is None else add + out
+        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+    return F.linear(x, w, b)
 
 
 def _fuse(dtype, *ts):
@@ -510,13 +509,20 @@ class LeanDecoder:
     The B prompts (B, P), left-padded to a multiple of 16, are prefilled once through the model's
     forward; the cache is then copied G times into a preallocated one of P + max_new_tokens columns
     (rounded up to 64). `logits` (N, V) predict the first completion token; step() gives the next.
-    dtype: the compute dtype; the weights are cast to it once here (default: their own dtype).
+    dtype: the compute dtype, as for HFDecoder (autocast when lower than the weights'); the matmul
+    weights are cast to it once here.
+
+    step() rounds where the model's forward under autocast rounds, so that sampling and the training
+    pass see the same policy: the residual stream, the norms and the rotary embedding stay in the
+    weights' dtype; each matmul's output is rounded to the compute dtype once; attention scores and
+    softmax are fp32, as in SDPA (the keys are kept in fp32 for that: twice the memory of bf16 keys).
     """
 
     def __init__(self, model, prompt_ids, prompt_mask, group_size, max_new_tokens, dtype=None):
         _guard(model)
         cfg, dec = model.config, model.model
-        dt = dtype or dec.norm.weight.dtype
+        res = dec.embed_tokens.weight.dtype  # the residual stream's dtype, as in HF
+        dt = dtype if dtype not in (None, torch.float32) else res  # as rollout._autocast: fp32 never autocasts
         left = -prompt_ids.size(1) % 16  # recurring prefill shapes (see _round_shapes)
         prompt_ids, prompt_mask = F.pad(prompt_ids, (left, 0)), F.pad(prompt_mask, (left, 0))
         cache = DynamicCache(config=cfg)
@@ -531,61 +537,59 @@ class LeanDecoder:
         self.layers = []
         for layer in dec.layers:
             a, m = layer.self_attn, layer.mlp
-            q_b = None if a.q_proj.bias is None else a.q_proj.bias * a.scaling  # rotary is linear: scale q first
             self.layers.append(dict(
-                qkv=_pack(_fuse(dt, a.q_proj.weight * a.scaling, a.k_proj.weight, a.v_proj.weight), N),
-                qkv_b=_fuse(dt, q_b, a.k_proj.bias, a.v_proj.bias),
+                qkv=_pack(_fuse(dt, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight), N),
+                qkv_b=_fuse(dt, a.q_proj.bias, a.k_proj.bias, a.v_proj.bias),
                 o=_pack(a.o_proj.weight.to(dt), N), o_b=_fuse(dt, a.o_proj.bias),
                 gate_up=_pack(_fuse(dt, m.gate_proj.weight, m.up_proj.weight), N),
                 gate_up_b=_fuse(dt, m.gate_proj.bias, m.up_proj.bias),
                 down=_pack(m.down_proj.weight.to(dt), N), down_b=_fuse(dt, m.down_proj.bias),
-                norm1=self._norm_weights(layer.input_layernorm),
-                norm2=self._norm_weights(layer.post_attention_layernorm)))
+                norm1=layer.input_layernorm, norm2=layer.post_attention_layernorm, scale=a.scaling))
         head = model.get_output_embeddings()
         self.head, self.head_b = _pack(head.weight.to(dt), N), _fuse(dt, head.bias)
-        self.final_norm = self._norm_weights(dec.norm)
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         # attention always spans the whole cache (unwritten columns masked): one matmul shape per rollout
-        L, D, dev = -(-(P + max_new_tokens) // 64) * 64, self.head_dim, head.weight.device
-        self.k = torch.zeros(len(self.layers), N, self.kv_heads, L, D, dtype=dt, device=dev)
-        self.v = torch.zeros_like(self.k)
-        for i, layer in enumerate(cache.layers):
-            self.k[i, :, :, :P] = layer.keys.repeat_interleave(group_size, 0)
-            self.v[i, :, :, :P] = layer.values.repeat_interleave(group_size, 0)
+        L, D, KV, dev = -(-(P + max_new_tokens) // 64) * 64, self.head_dim, self.kv_heads, head.weight.device
+        # keys as SDPA sees them (rounded to dt once) but stored in fp32, so q.k is summed and kept in fp32
+        sd = torch.promote_types(dt, torch.float32)
+        self.k = torch.zeros(len(self.layers), N * KV, L, D, dtype=sd, device=dev)
+        self.v = torch.zeros(len(self.layers), N * KV, L, D, dtype=dt, device=dev)
+        for i, layer in enumerate(cache.layers):  # (B, KV, P, D) each
+            self.k[i, :, :P] = layer.keys.to(dt).repeat_interleave(group_size, 0).flatten(0, 1)
+            self.v[i, :, :P] = layer.values.to(dt).repeat_interleave(group_size, 0).flatten(0, 1)
         # added to the scores: 0 where attendable, -inf elsewhere
-        self.bias = torch.full((N, 1, 1, L), float("-inf"), dtype=dt, device=dev)
+        self.bias = torch.full((N, KV, 1, L), float("-inf"), dtype=sd, device=dev)
         self.bias[..., :P].masked_fill_(prompt_mask.bool()[:, None, None], 0.0)
-
-    def _norm_weights(self, norm):
-        return norm.weight.to(self.dtype), norm.variance_epsilon
+        self.bias = self.bias.view(N * KV, 1, L)
 
     @torch.no_grad()
     def step(self, tokens, positions):
         """tokens (N,) at positions (N, 1) -> logits (N, V) for the token after them."""
-        N, H, KV, D, c = self.N, self.heads, self.kv_heads, self.head_dim, self.col
+        N, H, KV, D, c, dt = self.N, self.heads, self.kv_heads, self.head_dim, self.col, self.dtype
         dec = self.model.model
-        x = dec.embed_tokens(tokens).to(self.dtype)  # (N, E)
-        cos, sin = dec.rotary_emb(x, positions)  # (N, 1, D)
-        # rotary as _rotate with rotate_half(t) * sin = roll(t, D/2) * (sin with its first half negated)
+        x = dec.embed_tokens(tokens)  # (N, E) the residual stream
+        cos, sin = dec.rotary_emb(x, positions)  # (N, 1, D) in its dtype, as HF
+        # HF's rotate_half(t) * sin is roll(t, D/2) * (sin with its first half negated): the same products
         sin = torch.cat([-sin[..., :D // 2], sin[..., D // 2:]], -1)
         self.bias[..., c] = 0.0
         for i, lw in enumerate(self.layers):
-            qkv = _linear(self._norm(x, lw["norm1"]), lw["qkv"], lw["qkv_b"])  # (N, (H + 2 KV) D)
-            qk = qkv[:, :(H + KV) * D].view(N, H + KV, D)  # q (scaled) and k heads, rotated in one pass
-            qk = torch.addcmul(qk * cos, qk.roll(D // 2, -1), sin)
-            self.k[i, :, :, c], self.v[i, :, :, c] = qk[:, H:], qkv[:, (H + KV) * D:].view(N, KV, D)
-            scores = qk[:, :H].reshape(N, KV, H // KV, D) @ self.k[i].transpose(-1, -2)  # (N, KV, H/KV, L)
-            probs = scores.add_(self.bias).softmax(-1)  # bf16 softmax runs in fp32 inside: the same bits
-            attn = (probs @ self.v[i]).view(N, H * D)  # (N, H D)
-            x = _linear(attn, lw["o"], lw["o_b"], add=x)
-            gate, up = _linear(self._norm(x, lw["norm2"]), lw["gate_up"], lw["gate_up_b"]).chunk(2, -1)
-            x = _linear(F.silu(gate) * up, lw["down"], lw["down_b"], add=x)
+            qkv = _linear(self._norm(x, lw["norm1"], dt), lw["qkv"], lw["qkv_b"])  # (N, (H + 2 KV) D)
+            qk = qkv[:, :(H + KV) * D].view(N, H + KV, D)  # q and k heads, rotated in one pass
+            qk = (qk * cos + qk.roll(D // 2, -1) * sin).to(dt).to(self.k.dtype)  # rounded once, as SDPA's input
+            self.k[i, :, c], self.v[i, :, c] = qk[:, H:].flatten(0, 1), qkv[:, (H + KV) * D:].reshape(N * KV, D)
+            # attention as SDPA computes it: q.k summed, scaled (alpha), masked and softmaxed in fp32; only the
+            # probabilities and the output are rounded to dt. Each row's heads grouped by kv head, as HF does.
+            q = qk[:, :H].reshape(N * KV, H // KV, D)
+            scores = torch.baddbmm(self.bias, q, self.k[i].transpose(1, 2), alpha=lw["scale"])  # (N KV, H/KV, L)
+            attn = torch.bmm(scores.softmax(-1).to(dt), self.v[i])  # (N KV, H/KV, D)
+            x = x + _linear(attn.view(N, H * D), lw["o"], lw["o_b"])  # (N, E)
+            gate, up = _linear(self._norm(x, lw["norm2"], dt), lw["gate_up"], lw["gate_up_b"]).chunk(2, -1)
+            x = x + _linear(F.silu(gate) * up, lw["down"], lw["down_b"])
         self.col += 1
-        return _linear(self._norm(x, self.final_norm), self.head, self.head_b)
+        return _linear(self._norm(x, dec.norm, dt), self.head, self.head_b)
 
     @staticmethod
-    def _norm(x, norm):
-        """The HF RMSNorm (fp32 statistics, weight applied in x's dtype) in one fused kernel."""
-        weight, eps = norm
-        return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+    def _norm(x, norm, dtype):
+        """The HF RMSNorm (fp32 statistics, weight applied in x's dtype), cast to the matmul's dtype."""
+        return (norm.weight * F.rms_norm(x.float(), x.shape[-1:], eps=norm.variance_epsilon).to(x.dtype)).to(dtype)
