@@ -11,7 +11,7 @@ import hashlib
 import torch
 
 import grpo
-from rollout import token_ends
+from rollout import concat, token_ends
 
 
 def seed_of(*parts):
@@ -59,3 +59,35 @@ def process_advantages(step_rewards, tokenizer, r, examples, group_size):
         ends[i, :len(s)] = torch.tensor(token_ends(tokenizer, r.completion_ids[i], lengths[i], [e for e, _ in s]))
         values[i, :len(s)], mask[i, :len(s)] = torch.tensor([v for _, v in s]), True
     return grpo.process_advantages(values, ends, mask, group_size, r.completion_ids.size(1))  # (N, C)
+
+
+def collect(step, examples, sample_fn, score_fn, args, first, count):
+    """This rank's batch at `step`: sample and score `count` prompts from position `first` of the step ->
+    (Rollout, its examples, rewards (N,), keep (N,) bool, stats). sample_fn(examples, generators) -> Rollout,
+    score_fn(rollout, examples, step) -> (rewards, {reward fn: values}).
+
+    args.dynamic_sampling (DAPO §3.2): a group whose rewards are all equal carries no gradient, so more
+    prompts are sampled (at most args.max_resample extra rollouts) until `count` informative groups are in
+    hand; a shortfall is filled with uninformative groups that keep=False takes out of the loss, so every
+    rank trains on the same shapes. stats: the mean of every reward fn over all completions sampled."""
+    G, parts = args.group_size, []
+    for attempt in range(1 + (args.max_resample if args.dynamic_sampling else 0)):
+        idx, slots = prompt_indices(len(examples), args.prompts_per_step, step, args.seed, first, count, attempt)
+        exs = [examples[i] for i in idx]
+        r = sample_fn(exs, generators(args.seed, step, slots))
+        total, per_fn = score_fn(r, exs, step)
+        parts.append((r, exs, torch.tensor(total), per_fn))
+        if not args.dynamic_sampling or sum(int(grpo.informative_groups(t, G).sum()) for *_, t, _ in parts) >= count:
+            break
+    stats = {f"reward/{k}": torch.tensor([v for *_, f in parts for v in f[k]]).mean() for k in per_fn}
+    if not args.dynamic_sampling:
+        return r, exs, parts[0][2], torch.ones(len(total), dtype=torch.bool), stats
+    chosen = pick_groups([t for *_, t, _ in parts], G, count)
+    rows = [torch.tensor([j * G + g for i2, j, _ in chosen if i2 == i for g in range(G)], dtype=torch.long)
+            for i in range(len(parts))]
+    keep = torch.tensor([f for *_, f in chosen]).repeat_interleave(G)  # (N,)
+    stats.update(reward_sampled=torch.cat([t for *_, t, _ in parts]).mean(), kept_groups=keep.sum() / G,
+                 groups_dropped=torch.tensor(sum(len(t) for *_, t, _ in parts) // G) - keep.sum() // G,
+                 extra_rollouts=torch.tensor(len(parts) - 1))
+    return (concat([x[0] for x in parts], rows), [parts[i][1][j] for i, j, _ in chosen],
+            torch.cat([t[i] for (*_, t, _), i in zip(parts, rows)]), keep, stats)

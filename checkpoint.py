@@ -16,10 +16,17 @@ import os
 import shutil
 import tempfile
 
+import random
+
+import numpy as np
 import torch
+import torch.distributed as dist
+
+import parallel
+from parallel import DCP_PREFIX
+from models import load_trainable_state, trainable_state
 
 RUN_FILES = ("metrics.jsonl", "ckpt.pt", "config.json")  # what makes a directory hold a run
-DCP_PREFIX = "dcp-"  # out_dir/dcp-000040: a sharded run's model and optimizer after step 40 (parallel.save)
 
 
 def state_bytes(obj):
@@ -49,9 +56,71 @@ def save(state, path):
                 f"{os.path.dirname(os.path.abspath(path))}; the last good checkpoint there is kept")
 
 
+def save_run(out_dir, step, args, policy, optimizer, scheduler, scaler, ref=None, rank=0, world=1):
+    """A train.py run's state after `step`, all ranks' RNG included -> None, or why it could not be written
+    (the last good checkpoint stays). ckpt.pt holds the weights (LoRA: the adapters); with --fsdp each
+    rank writes its shards of the model and optimizer (DCP) into dcp-<step>/, which ckpt.pt names."""
+    state = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "step": step, "config": vars(args),
+             "ref": ref.state_dict() if ref is not None and args.ref_sync_every else None}
+    if args.fsdp:
+        state["dcp"], failed = parallel.save(policy, optimizer, out_dir, step)
+        if failed:
+            return failed
+    else:
+        state.update(model=trainable_state(policy), optimizer=optimizer.state_dict())
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    state["rng"] = [None] * world
+    dist.all_gather_object(state["rng"], rng) if world > 1 else state["rng"].__setitem__(0, rng)
+    if rank:
+        return None
+    failed = save(state, os.path.join(out_dir, "ckpt.pt"))
+    if args.fsdp and not failed:
+        parallel.remove_old(out_dir, keep=state["dcp"])
+    return failed
+
+
+def restore(path, policy, optimizer, scheduler, scaler, ref, args, rank=0):
+    """Load what save_run wrote into the run's objects and this rank's RNG -> the step to continue from.
+    ValueError (one line) when the run's layout differs: --fsdp or --lora-rank must stay as they were."""
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    if ("dcp" in ckpt) != args.fsdp or ckpt["config"].get("lora_rank", 0) != args.lora_rank:
+        raise ValueError(f"--resume: {path} was written with --fsdp {'dcp' in ckpt}, --lora-rank "
+                         f"{ckpt['config'].get('lora_rank', 0)}: resume with the same")
+    if args.fsdp:  # each rank reads its shards of the model and optimizer
+        parallel.load(os.path.join(os.path.dirname(path), ckpt["dcp"]), policy, optimizer)
+    else:
+        load_trainable_state(policy, ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+    scheduler.load_state_dict(ckpt["scheduler"])
+    scaler.load_state_dict(ckpt["scaler"])
+    if ref is not None and ckpt.get("ref") is not None:
+        ref.load_state_dict(ckpt["ref"])
+    rng = ckpt["rng"][rank]
+    torch.set_rng_state(rng["torch"]), random.setstate(rng["python"]), np.random.set_state(rng["numpy"])
+    return ckpt["step"]
+
+
 def existing_run(out_dir):
     """The run files already in out_dir (empty when it holds no run)."""
     return [f for f in RUN_FILES if os.path.exists(os.path.join(out_dir, f))]
+
+
+def prepare_out_dir(out_dir, resume, overwrite, rank=0):
+    """Make out_dir ready for a run -> None, or the one-line reason it is not: it holds another run (unless
+    resuming it, or --overwrite clears it first), or it cannot be written."""
+    if rank == 0 and not resume and existing_run(out_dir):
+        if not overwrite:
+            return (f"--out-dir {out_dir} holds a run ({', '.join(existing_run(out_dir))}): pass --resume {out_dir} "
+                    "to continue it, --overwrite to replace it, or another --out-dir")
+        clear_run(out_dir)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write_test.{rank}")  # one per rank: they run this at the same time
+        open(probe, "w").close()
+        os.remove(probe)
+    except OSError as e:
+        return f"--out-dir {out_dir} is not writable ({e.strerror}); pass another directory"
+    return None
 
 
 def clear_run(out_dir):

@@ -9,6 +9,7 @@ under the config files and the command line.
 """
 
 import ast
+import importlib.util
 import math
 import os
 
@@ -99,3 +100,51 @@ def check(p, args, ranges, nullable=()):
             p.error(f"{flag} {v!r}: choose from {sorted(a.choices)}")
         if a.dest in ranges and not _in_range(v, ranges[a.dest]):
             p.error(f"{flag} must be {ranges[a.dest]}, got {v!r}")
+
+
+def check_combinations(p, args, world, ddp, task):
+    """train.py's checks that need more than one flag (or the task), one line each, before anything loads."""
+    eps_high = args.eps if args.eps_high is None else args.eps_high
+    N = args.prompts_per_step // world * args.group_size  # completions per rank per step
+    if args.prompts_per_step % world:
+        p.error(f"--prompts-per-step {args.prompts_per_step} does not split over {world} ranks: use a multiple of {world}")
+    if N % args.micro_batch:
+        p.error(f"--micro-batch {args.micro_batch} must divide the {N} completions per rank per step")
+    if eps_high < args.eps:
+        p.error(f"--eps-high {eps_high} < --eps {args.eps}: clip-higher needs eps_high >= eps")
+    if args.delta is not None and args.delta <= 1 + eps_high:
+        p.error(f"--delta {args.delta} must be > 1 + eps_high = {1 + eps_high}")
+    # LoRA, FSDP2, export: what combines with what
+    lora_ref = args.lora_rank > 0 and not args.ref_model
+    if args.lora_rank and importlib.util.find_spec("peft") is None:
+        p.error("--lora-rank needs peft: pip install peft")
+    if args.lora_rank and args.fsdp:
+        p.error("--lora-rank with --fsdp is not supported: a frozen bf16 base fits one device up to ~14B; drop --fsdp")
+    if args.lora_rank and (args.ref_sync_every or lora_ref and args.ref_device):
+        p.error("--lora-rank: the reference is the base (adapters off); it cannot take --ref-sync-every or --ref-device")
+    if lora_ref and args.kl_estimator == "full" and "lm_head" in args.lora_targets:
+        p.error("--kl-estimator full with a LoRA reference needs the lm_head without adapters: drop it from --lora-targets")
+    if args.export == "adapter" and not args.lora_rank:
+        p.error("--export adapter needs --lora-rank; a full fine-tune exports as --export model")
+    if args.fsdp and (args.ref_sync_every or args.dtype == "float16"):
+        p.error("--fsdp supports neither --ref-sync-every nor --dtype float16 (use bfloat16)")
+    if args.fsdp and not ddp:
+        p.error("--fsdp shards over torchrun's processes: torchrun --nproc_per_node N train.py ... --fsdp")
+    if args.overlong_buffer > args.max_new_tokens:
+        p.error(f"--overlong-buffer {args.overlong_buffer} must be <= --max-new-tokens {args.max_new_tokens}")
+    if args.supervision == "process" and task.step_rewards is None:
+        p.error(f"--supervision process needs per-step rewards; task {args.task} has none (try --task arith_steps)")
+
+
+def reward_weights(p, spec, reward_fns):
+    """--reward-weights "name=number,..." -> {name: weight}; names must be the run's reward functions."""
+    weights = {}
+    for item in spec.split(",") if spec else []:
+        name, _, w = item.partition("=")
+        try:
+            weights[name] = float(w)
+        except ValueError:
+            weights[name] = math.nan
+        if name not in reward_fns or not math.isfinite(weights[name]):
+            p.error(f"--reward-weights: '{item}' is not name=number with name in {sorted(reward_fns)}")
+    return weights

@@ -27,10 +27,11 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 
-from checkpoint import DCP_PREFIX
 
 # -----------------------------------------------------------------------------
 # the multi-process path for models that fit on each device
+
+DCP_PREFIX = "dcp-"  # out_dir/dcp-000040: a sharded run's model and optimizer after step 40 (parallel.save)
 
 
 def average_gradients(params, world):

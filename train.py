@@ -22,15 +22,11 @@ At the end the policy is written to OUT_DIR/hf, a folder transformers and vLLM l
 """
 
 import argparse
-import importlib.util
 import json
-import math
 import os
-import random
 import sys
 import time
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -45,7 +41,7 @@ import rollout
 from eval import evaluate
 from metrics import TRACKERS, MetricsLog, check_tracker
 from models import (DTYPES, LORA_TARGETS, ModelError, add_lora, check_dtype, load_model, load_tokenizer,
-                    load_trainable_state, resolve_device, stop_token_ids, trainable_state, without_adapters)
+                    resolve_device, stop_token_ids, without_adapters)
 from rewards import RewardError, combine_rewards, overlong_reward
 from rollout import micro_batches, sample
 from tasks import TASKS, DataError
@@ -157,49 +153,16 @@ rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp el
 master = rank == 0
 local_prompts = args.prompts_per_step // world
 N = local_prompts * args.group_size  # completions per rank per step
-if args.prompts_per_step % world:
-    p.error(f"--prompts-per-step {args.prompts_per_step} does not split over {world} ranks: use a multiple of {world}")
-if N % args.micro_batch:
-    p.error(f"--micro-batch {args.micro_batch} must divide the {N} completions per rank per step")
-if eps_high < args.eps:
-    p.error(f"--eps-high {eps_high} < --eps {args.eps}: clip-higher needs eps_high >= eps")
-if args.delta is not None and args.delta <= 1 + eps_high:
-    p.error(f"--delta {args.delta} must be > 1 + eps_high = {1 + eps_high}")
-# LoRA, FSDP2, export: what combines with what
-lora_ref = args.lora_rank > 0 and not args.ref_model  # the reference is the policy with its adapters disabled
-if args.lora_rank and importlib.util.find_spec("peft") is None:
-    p.error("--lora-rank needs peft: pip install peft")
-if args.lora_rank and args.fsdp:
-    p.error("--lora-rank with --fsdp is not supported: a frozen bf16 base fits one device up to ~14B; drop --fsdp")
-if args.lora_rank and (args.ref_sync_every or lora_ref and args.ref_device):
-    p.error("--lora-rank: the reference is the base (adapters off); it cannot take --ref-sync-every or --ref-device")
-if lora_ref and args.kl_estimator == "full" and "lm_head" in args.lora_targets:
-    p.error("--kl-estimator full with a LoRA reference needs the lm_head without adapters: drop it from --lora-targets")
-if args.export == "adapter" and not args.lora_rank:
-    p.error("--export adapter needs --lora-rank; a full fine-tune exports as --export model")
-if args.fsdp and (args.ref_sync_every or args.dtype == "float16"):
-    p.error("--fsdp supports neither --ref-sync-every nor --dtype float16 (use bfloat16)")
-if args.fsdp and not ddp:
-    p.error("--fsdp shards over torchrun's processes: torchrun --nproc_per_node N train.py ... --fsdp")
+cli.check_combinations(p, args, world, ddp, TASKS[args.task])
+lora_ref = args.lora_rank > 0 and not args.ref_model  # the reference: the policy with its adapters disabled
 task = TASKS[args.task]
 reward_fns, weights = dict(task.reward_fns), dict(task.reward_weights)
 if args.overlong_buffer:  # DAPO eq. 13 beside the task's rewards, with its own weight
-    if args.overlong_buffer > args.max_new_tokens:
-        p.error(f"--overlong-buffer {args.overlong_buffer} must be <= --max-new-tokens {args.max_new_tokens}")
     reward_fns["overlong"] = overlong_reward(args.max_new_tokens, args.overlong_buffer)
     weights["overlong"] = args.overlong_weight
-if args.supervision == "process" and task.step_rewards is None:
-    p.error(f"--supervision process needs per-step rewards; task {args.task} has none (try --task arith_steps)")
+weights.update(cli.reward_weights(p, args.reward_weights, reward_fns))
 if check_tracker(args.log_to):
     p.error(check_tracker(args.log_to))
-for item in (args.reward_weights.split(",") if args.reward_weights else []):
-    name, _, w = item.partition("=")
-    try:
-        weights[name] = float(w)
-    except ValueError:
-        weights[name] = math.nan
-    if name not in reward_fns or not math.isfinite(weights[name]):
-        p.error(f"--reward-weights: '{item}' is not name=number with name in {sorted(reward_fns)}")
 try:
     device = resolve_device(args.device)
     if ddp and device.type == "cuda":
@@ -213,18 +176,9 @@ except ModelError as e:
     p.error(str(e))
 if args.kl_estimator == "full" and args.beta > 0 and ref_device != device:
     p.error("--kl-estimator full computes the reference's logits beside the policy's: --ref-device must be --device")
-if master and not args.resume and checkpoint.existing_run(args.out_dir):  # never mix two runs' files
-    if not args.overwrite:
-        p.error(f"--out-dir {args.out_dir} holds a run ({', '.join(checkpoint.existing_run(args.out_dir))}): pass "
-                f"--resume {args.out_dir} to continue it, --overwrite to replace it, or another --out-dir")
-    checkpoint.clear_run(args.out_dir)
-try:
-    os.makedirs(args.out_dir, exist_ok=True)
-    probe = os.path.join(args.out_dir, f".write_test.{rank}")  # one per rank: they run this at the same time
-    open(probe, "w").close()
-    os.remove(probe)
-except OSError as e:
-    p.error(f"--out-dir {args.out_dir} is not writable ({e.strerror}); pass another directory")
+problem = checkpoint.prepare_out_dir(args.out_dir, args.resume, args.overwrite, rank)  # never mix two runs' files
+if problem:
+    p.error(problem)
 if ddp:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
 torch.manual_seed(args.seed + rank)
@@ -291,23 +245,10 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s +
 scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 needs loss scaling
 start_step = 0
 if ckpt_path is not None:
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=False)
-    if ("dcp" in ckpt) != args.fsdp or ckpt["config"].get("lora_rank", 0) != args.lora_rank:
-        p.error(f"--resume: {ckpt_path} was written with --fsdp {'dcp' in ckpt}, --lora-rank "
-                f"{ckpt['config'].get('lora_rank', 0)}: resume with the same")
-    if args.fsdp:  # each rank reads its shards of the model and optimizer (DCP)
-        parallel.load(os.path.join(os.path.dirname(ckpt_path), ckpt["dcp"]), policy, optimizer)
-    else:
-        load_trainable_state(policy, ckpt["model"])  # LoRA: the adapters
-        optimizer.load_state_dict(ckpt["optimizer"])
-    scheduler.load_state_dict(ckpt["scheduler"])
-    scaler.load_state_dict(ckpt["scaler"])
-    if ref is not None and ckpt.get("ref") is not None:
-        ref.load_state_dict(ckpt["ref"])
-    rng = ckpt["rng"][rank]
-    torch.set_rng_state(rng["torch"]), random.setstate(rng["python"]), np.random.set_state(rng["numpy"])
-    start_step = ckpt["step"]
-    del ckpt
+    try:
+        start_step = checkpoint.restore(ckpt_path, policy, optimizer, scheduler, scaler, ref, args, rank)
+    except ValueError as e:
+        p.error(str(e))
 if master:  # resolved values here; the checkpoint keeps the flags as given, for --resume
     resolved = {**vars(args), "eps_high": eps_high, "ref_model": args.ref_model or args.model,
                 "max_prompt_tokens": max_prompt, "lean": use_lean}
@@ -318,43 +259,21 @@ if master:  # resolved values here; the checkpoint keeps the flags as given, for
 
 # -----------------------------------------------------------------------------
 # helpers
-def rollout_step(step):
-    """Sample and score this rank's prompts -> (Rollout, examples, rewards (N,), keep (N,) bool, stats).
+def sample_prompts(examples, generators):
+    """The run's rollout of these examples: G completions each, one generator per prompt."""
+    with parallel.gathered(policy):  # --fsdp: the whole model, so the decode loop issues no collective
+        return sample(policy, tokenizer, [task.prompt(ex) for ex in examples], args.group_size, args.max_new_tokens,
+                      stops, args.temperature, args.top_p, args.top_k, generators, dtype, decoder, max_prompt)
 
-    --dynamic-sampling (DAPO §3.2): a group whose rewards are all equal carries no gradient, so more
-    prompts are sampled (at most --max-resample extra rollouts) until local_prompts informative groups
-    are in hand; a shortfall is filled with uninformative groups that keep=False takes out of the loss,
-    so every rank trains on the same shapes. stats: the mean of every reward fn over all completions."""
-    G, parts = args.group_size, []
-    for attempt in range(1 + (args.max_resample if args.dynamic_sampling else 0)):
-        idx, slots = batch.prompt_indices(len(train_set), args.prompts_per_step, step, args.seed, rank * local_prompts,
-                                          local_prompts, attempt)
-        examples = [train_set[i] for i in idx]
-        with parallel.gathered(policy):  # --fsdp: the whole model, so the decode loop issues no collective
-            r = sample(policy, tokenizer, [task.prompt(ex) for ex in examples], G, args.max_new_tokens, stops,
-                       args.temperature, args.top_p, args.top_k, batch.generators(args.seed, step, slots), dtype,
-                       decoder, max_prompt)
-        fields = {k: [ex[k] for ex in examples for _ in range(G)] for k in examples[0]}
-        try:
-            total, per_fn = combine_rewards(reward_fns, weights, r.completions,
-                                            num_tokens=r.completion_mask.sum(1).tolist(), **fields)
-        except RewardError as e:
-            sys.exit(f"error: step {step + 1}: {e}")
-        parts.append((r, examples, torch.tensor(total), per_fn))
-        if not args.dynamic_sampling or sum(int(grpo.informative_groups(t, G).sum()) for *_, t, _ in parts) >= local_prompts:
-            break
-    stats = {f"reward/{k}": torch.tensor([v for *_, f in parts for v in f[k]]).mean() for k in per_fn}
-    if not args.dynamic_sampling:
-        return r, examples, parts[0][2], torch.ones(N, dtype=torch.bool), stats
-    chosen = batch.pick_groups([t for *_, t, _ in parts], G, local_prompts)
-    rows = [torch.tensor([j * G + g for i2, j, _ in chosen if i2 == i for g in range(G)], dtype=torch.long)
-            for i in range(len(parts))]
-    keep = torch.tensor([f for *_, f in chosen]).repeat_interleave(G)  # (N,)
-    stats.update(reward_sampled=torch.cat([t for *_, t, _ in parts]).mean(), kept_groups=keep.sum() / G,
-                 groups_dropped=torch.tensor(sum(len(t) for *_, t, _ in parts) // G) - keep.sum() // G,
-                 extra_rollouts=torch.tensor(len(parts) - 1))
-    return (rollout.concat([x[0] for x in parts], rows), [parts[i][1][j] for i, j, _ in chosen],
-            torch.cat([t[i] for (*_, t, _), i in zip(parts, rows)]), keep, stats)
+
+def score(r, examples, step):
+    """(total reward per completion, {reward fn: values}); the examples' fields repeated G times."""
+    fields = {k: [ex[k] for ex in examples for _ in range(args.group_size)] for k in examples[0]}
+    try:
+        return combine_rewards(reward_fns, weights, r.completions, num_tokens=r.completion_mask.sum(1).tolist(),
+                               **fields)
+    except RewardError as e:
+        sys.exit(f"error: step {step + 1}: {e}")
 
 
 @torch.no_grad()
@@ -370,26 +289,6 @@ def all_reduce(x, op="mean"):
         dist.all_reduce(x, {"mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
         x = x / world if op == "mean" else x
     return x
-
-
-def save_checkpoint(step):
-    """Everything needed to continue exactly -> None, or why it could not be written (the last good one stays)."""
-    state = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "step": step, "config": vars(args),
-             "ref": ref.state_dict() if ref is not None and args.ref_sync_every else None}
-    if args.fsdp:  # each rank writes its shards of the model and optimizer (DCP); ckpt.pt names the directory
-        state["dcp"], failed = parallel.save(policy, optimizer, args.out_dir, step)
-        if failed:
-            return failed
-    else:  # LoRA: the adapters only
-        state.update(model=trainable_state(policy), optimizer=optimizer.state_dict())
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    gathered = [None] * world
-    dist.all_gather_object(gathered, rng) if ddp else gathered.__setitem__(0, rng)
-    state["rng"] = gathered
-    failed = checkpoint.save(state, os.path.join(args.out_dir, "ckpt.pt")) if master else None
-    if master and args.fsdp and not failed:
-        parallel.remove_old(args.out_dir, keep=state["dcp"])
-    return failed
 
 
 def run_eval(step):
@@ -411,8 +310,9 @@ FAR_KL, FAR_DLOGP, FAR_STEPS = 1.0, 1.0, 3
 bad_steps, far, save_failed = 0, {"kl": 0, "dlogp_p99": 0}, None
 for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not master):
     t0 = time.time()
-    # 1. rollout and rewards: G completions per prompt, groups contiguous (rollout_step above)
-    r, examples, rewards, keep, row = rollout_step(step)
+    # 1. rollout and rewards: G completions per prompt, groups contiguous (batch.collect)
+    r, examples, rewards, keep, row = batch.collect(step, train_set, sample_prompts, score, args, rank * local_prompts,
+                                                    local_prompts)
     rewards, keep = rewards.to(device), keep.to(device)
     lengths = r.completion_mask.sum(1)  # (N,)
     t1 = time.time()
@@ -529,7 +429,8 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
         run_eval(step + 1)
     if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-        save_failed = save_checkpoint(step + 1)
+        save_failed = checkpoint.save_run(args.out_dir, step + 1, args, policy, optimizer, scheduler, scaler, ref,
+                                          rank, world)
         if save_failed:
             tqdm.write(f"warning: step {step + 1}: {save_failed}")
 
