@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
 import lean
+import lean_train
 import rollout
 from conftest import EOS, VOCAB, make_tokenizer, tiny
 from lean import _HeadLogprobs
@@ -208,12 +209,12 @@ def test_hidden_states_recompute_layers_under_gradient_checkpointing(monkeypatch
     ids, mask, _ = rows_with_shared_prompts(V, G, C)
     plain = copy.deepcopy(model)
     lean.hidden_states(plain, ids, mask, C, group_size=G).square().sum().backward()
-    calls, layer = [0], lean._layer
+    calls, layer = [0], lean_train._layer
 
     def counting(*a):
         calls[0] += 1
         return layer(*a)
-    monkeypatch.setattr(lean, "_layer", counting)
+    monkeypatch.setattr(lean_train, "_layer", counting)
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     lean.hidden_states(model, ids, mask, C, group_size=G).square().sum().backward()
     assert calls[0] == 2 * model.config.num_hidden_layers
@@ -226,18 +227,18 @@ def test_lean_functions_pass_gradcheck():
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True)
     x, w = r(2, 3, 6), r(6)
-    assert torch.autograd.gradcheck(lambda x, w: lean._Norm.apply(x, w, 1e-6, torch.float64), (x, w))
+    assert torch.autograd.gradcheck(lambda x, w: lean_train._Norm.apply(x, w, 1e-6, torch.float64), (x, w))
     wl, b = r(4, 6), r(4)
-    assert torch.autograd.gradcheck(lambda x, w, b: lean._Linear.apply(x, w, b, torch.float64), (x, wl, b))
+    assert torch.autograd.gradcheck(lambda x, w, b: lean_train._Linear.apply(x, w, b, torch.float64), (x, wl, b))
     f64 = torch.float64
     wk, wv, bv = r(2, 6), r(2, 6), r(2)  # q with a bias, k without, v with
-    assert torch.autograd.gradcheck(lambda x, w, *l: lean._NormLinears.apply(x, w, 1e-6, f64, l[0], l[1], l[2], None,
+    assert torch.autograd.gradcheck(lambda x, w, *l: lean_train._NormLinears.apply(x, w, 1e-6, f64, l[0], l[1], l[2], None,
                                                                              l[3], l[4]), (x, w, wl, b, wk, wv, bv))
     o = r(2, 3, 6)
     wg, bg, wu, bu, wd, bd = r(5, 6), r(5), r(5, 6), r(5), r(6, 5), r(6)
-    assert torch.autograd.gradcheck(lambda x, o, w, *m: lean._AddNormMLP.apply(x, o, w, 1e-6, *m, f64),
+    assert torch.autograd.gradcheck(lambda x, o, w, *m: lean_train._AddNormMLP.apply(x, o, w, 1e-6, *m, f64),
                                     (x, o, w, wg, bg, wu, bu, wd, bd))
-    assert torch.autograd.gradcheck(lambda x, o, w, *m: lean._AddNormMLP.apply(x, o, w, 1e-6, m[0], None, m[1], None,
+    assert torch.autograd.gradcheck(lambda x, o, w, *m: lean_train._AddNormMLP.apply(x, o, w, 1e-6, m[0], None, m[1], None,
                                                                                m[2], None, f64), (x, o, w, wg, wu, wd))
 
 
@@ -247,7 +248,7 @@ def test_norm_matches_the_hf_rmsnorm_in_bf16_residual():
     norm = LlamaRMSNorm(16, eps=1e-6).to(torch.bfloat16)
     norm.weight.data.normal_(1, 0.3)
     x = torch.randn(3, 16, dtype=torch.bfloat16)
-    assert torch.equal(lean._Norm.apply(x, norm.weight, norm.variance_epsilon, torch.bfloat16), norm(x))
+    assert torch.equal(lean_train._Norm.apply(x, norm.weight, norm.variance_epsilon, torch.bfloat16), norm(x))
 
 
 @pytest.mark.real_model
