@@ -61,3 +61,21 @@ class MetricsLog:
             self.tb.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class DriftWatch:
+    """A run drifting away: the mean KL to the reference, or the p99 gap between the sampling and the
+    training log-probs, above its limit several steps in a row. The limits are far above a healthy run's."""
+    LIMITS = {"kl": (1.0, "reference"), "dlogp_p99": (1.0, "sampler")}
+
+    def __init__(self, steps=3):
+        self.steps, self.count = steps, dict.fromkeys(self.LIMITS, 0)
+
+    def update(self, row):
+        """One step's metrics -> the warning lines to print (one when a streak reaches `steps`)."""
+        lines = []
+        for k, (limit, who) in self.LIMITS.items():
+            self.count[k] = self.count[k] + 1 if (row.get(k) or 0) > limit else 0
+            if self.count[k] == self.steps:
+                lines.append(f"{k} > {limit} for {self.steps} steps: the policy is far from the {who}; lower --lr")
+        return lines

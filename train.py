@@ -39,7 +39,7 @@ import lean
 import parallel
 import rollout
 from eval import evaluate
-from metrics import TRACKERS, MetricsLog, check_tracker
+from metrics import TRACKERS, DriftWatch, MetricsLog, check_tracker
 from models import (DTYPES, LORA_TARGETS, ModelError, add_lora, check_dtype, load_model, load_tokenizer,
                     resolve_device, stop_token_ids, without_adapters)
 from rewards import RewardError, combine_rewards, overlong_reward
@@ -305,9 +305,8 @@ def run_eval(step):
 log = MetricsLog(args.out_dir, args.log_to, vars(args), start_step) if master else None
 if start_step == 0 and args.eval_every:
     run_eval(0)
-# a run drifting away: several steps in a row past these say so (the numbers are large for any healthy run)
-FAR_KL, FAR_DLOGP, FAR_STEPS = 1.0, 1.0, 3
-bad_steps, far, save_failed = 0, {"kl": 0, "dlogp_p99": 0}, None
+drift = DriftWatch()  # says "lower --lr" when the policy runs away from the reference or the sampler
+bad_steps, save_failed = 0, None
 for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not master):
     t0 = time.time()
     # 1. rollout and rewards: G completions per prompt, groups contiguous (batch.collect)
@@ -380,7 +379,8 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
         scaler.unscale_(optimizer)
         grad_norm = parallel.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf"))
         # fp16 overflows are the scaler's business (it skips and lowers the scale); anything else non-finite is ours
-        if torch.isfinite(sum(stats["loss"][-n_micro:])) and (scaler.is_enabled() or torch.isfinite(grad_norm)):
+        finite = all_reduce(torch.isfinite(sum(stats["loss"][-n_micro:])).float(), "min") > 0  # every rank agrees
+        if finite and (scaler.is_enabled() or torch.isfinite(grad_norm)):
             scaler.step(optimizer)
             bad_steps = 0
         else:
@@ -421,11 +421,8 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
                    f"train {row['t_train']:.1f}s")
         if args.log_completions and (step + 1) % args.log_completions == 0:
             tqdm.write(f"--- sample (reward {rewards[0]:.2f}, gold {examples[0]['answer']}):\n{r.completions[0]}\n---")
-        for k, limit, who in (("kl", FAR_KL, "reference"), ("dlogp_p99", FAR_DLOGP, "sampler")):
-            far[k] = far[k] + 1 if row.get(k, 0) > limit else 0
-            if far[k] == FAR_STEPS:
-                tqdm.write(f"warning: step {step + 1}: {k} > {limit} for {FAR_STEPS} steps: the policy is far from "
-                           f"the {who}; lower --lr")
+        for line in drift.update(row):
+            tqdm.write(f"warning: step {step + 1}: {line}")
     if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
         run_eval(step + 1)
     if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
