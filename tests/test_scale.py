@@ -21,7 +21,7 @@ from toy import EVAL, REPO, TIMING, TOY_TRAIN, TRAIN, read_metrics, run_script, 
 import models  # noqa: E402
 from rollout import token_logprobs  # noqa: E402
 
-pytest.importorskip("peft")  # an optional dependency of the project; requirements.txt installs it for the tests
+pytest.importorskip("peft", reason="pip install -r requirements-extra.txt")  # optional; CI installs it
 CPU = torch.device("cpu")
 LORA = ("--lora-rank", 4)
 
