@@ -7,7 +7,6 @@ run_script: SystemExit); a few run in a fresh interpreter to see the real exit c
 """
 
 import errno
-import io
 import json
 import math
 import os
@@ -309,18 +308,7 @@ def test_overwrite_replaces_the_run(model_dir, tmp_path):
 
 
 def test_disk_full_keeps_the_last_good_checkpoint_and_ends_in_one_line(model_dir, tmp_path, capsys, monkeypatch):
-    real_save, calls = torch.save, []
-
-    def save_until_full(obj, path, *a, **kw):
-        calls.append(str(path))
-        if len(calls) == 1:
-            return real_save(obj, path, *a, **kw)
-        buf = io.BytesIO()
-        real_save(obj, buf)
-        with open(path, "wb") as f:
-            f.write(buf.getvalue()[:len(buf.getvalue()) // 3])  # the disk fills a third of the way in
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-
+    save_until_full = toy.save_that_fails(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), 1 / 3)  # a third in
     monkeypatch.setattr(torch, "save", save_until_full)
     out = str(tmp_path)
     with pytest.raises(SystemExit) as e:

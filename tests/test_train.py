@@ -5,7 +5,6 @@ in two, as a user would run them. A user mistake must end in SystemExit with a o
 any other exception is the traceback the user would have seen.
 """
 
-import io
 import json
 import math
 import os
@@ -175,18 +174,8 @@ class Killed(BaseException):
 
 
 def test_a_kill_mid_save_keeps_the_last_good_checkpoint(model_dir, tmp_path, monkeypatch):
-    real_save, calls = torch.save, []
-
-    def save_then_die(obj, path, *a, **kw):
-        calls.append(str(path))
-        if len(calls) == 1:
-            return real_save(obj, path, *a, **kw)
-        buf = io.BytesIO()
-        real_save(obj, buf)
-        with open(path, "wb") as f:
-            f.write(buf.getvalue()[:len(buf.getvalue()) // 2])  # half the bytes, then the kill
-        raise Killed
-
+    save_then_die = toy.save_that_fails(Killed(), 1 / 2)  # half the bytes, then the kill
+    calls = save_then_die.calls
     monkeypatch.setattr(torch, "save", save_then_die)
     with pytest.raises(Killed):
         run_script(TRAIN, train_args(model_dir, str(tmp_path), "--save-every", 1, steps=2))

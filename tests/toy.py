@@ -145,3 +145,22 @@ def read_metrics(out_dir):
     import json
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
+
+
+def save_that_fails(error, fraction):
+    """A torch.save that writes the first checkpoint whole, then only `fraction` of the next one's bytes
+    before raising `error` (a kill, a full disk), with the calls' paths in .calls."""
+    import io
+    real_save, calls = torch.save, []
+
+    def save(obj, path, *a, **kw):
+        calls.append(str(path))
+        if len(calls) == 1:
+            return real_save(obj, path, *a, **kw)
+        buf = io.BytesIO()
+        real_save(obj, buf)
+        with open(path, "wb") as f:
+            f.write(buf.getvalue()[:int(len(buf.getvalue()) * fraction)])
+        raise error
+    save.calls = calls
+    return save
