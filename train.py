@@ -23,6 +23,7 @@ At the end the policy is written to OUT_DIR/hf, a folder transformers and vLLM l
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -86,6 +87,8 @@ g.add_argument("--steps", type=int, default=100, help="generation batches")
 g.add_argument("--mu", type=int, default=1, help="optimizer steps per generation batch (GRPO's mu)")
 g.add_argument("--lr", type=float, default=1e-6)
 g.add_argument("--warmup-steps", type=int, default=0, help="linear warmup, in optimizer steps")
+g.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"],
+               help="after warmup: constant, or cosine down to 10%% of --lr at the last update")
 g.add_argument("--weight-decay", type=float, default=0.0)
 g.add_argument("--grad-clip", type=float, default=1.0, help="max grad norm; 0 = off")
 # --- the GRPO objective (grpo.py)
@@ -238,10 +241,23 @@ if args.fsdp:  # the log-prob pass calls the decoder and lm_head, not the root: 
     logprobs, ref_logprobs = parallel.root_unsharded(logprobs), parallel.root_unsharded(ref_logprobs)
     ref_hidden = parallel.root_unsharded(ref_hidden)
 share = lean.shared_prompt_rows(args.group_size, args.micro_batch)  # rows of a micro-batch sharing a prompt
+
+
+def lr_factor(update, warmup, total, schedule):
+    """The learning rate of optimizer update `update` (from 0), as a fraction of --lr: linear warmup over
+    `warmup` updates, then constant or a cosine from 1 to 0.1 at update total - 1."""
+    warm = min(1.0, (update + 1) / (warmup + 1))
+    if schedule == "constant":
+        return warm
+    progress = min(1.0, max(0, update - warmup) / max(1, total - 1 - warmup))
+    return warm * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
 params = [q for q in policy.parameters() if q.requires_grad]
 optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay,
                               fused=device.type in ("cpu", "cuda"))  # one kernel for all tensors
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (args.warmup_steps + 1)))
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(s, args.warmup_steps, args.steps * args.mu,
+                                                                          args.lr_schedule))
 scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 needs loss scaling
 start_step = 0
 if ckpt_path is not None:

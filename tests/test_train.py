@@ -332,3 +332,10 @@ def test_torchrun_prompts_not_divisible_by_ranks_fails_clearly(model_dir, tmp_pa
     assert proc.returncode != 0
     assert "--prompts-per-step 3 does not split over 2 ranks: use a multiple of 2" in proc.stderr
     assert 'train.py", line' not in proc.stderr  # torchrun's own report may have one; train.py must not
+
+
+def test_cosine_schedule_by_hand(model_dir, tmp_path):
+    """Warmup 1 update, then cosine from 1 to 0.1 over the remaining 3 of 4 updates: the logged lr of
+    updates 0..3 is lr * [1/2, 1, (0.1 + 0.45 * (1 + cos(pi/2))) = 0.55, 0.1]."""
+    run_script(TRAIN, train_args(model_dir, str(tmp_path), "--warmup-steps", 1, "--lr-schedule", "cosine", steps=4))
+    assert [r["lr"] for r in read_metrics(str(tmp_path))] == pytest.approx([5e-4, 1e-3, 5.5e-4, 1e-4])
