@@ -37,7 +37,7 @@ p.add_argument("--max-new-tokens", type=int, default=128)
 p.add_argument("--beta", type=float, default=0.04)
 p.add_argument("--lr", type=float, default=1e-6)
 p.add_argument("--loss-type", default="grpo")
-p.add_argument("--dtype", default="bfloat16")
+p.add_argument("--dtype", default="auto", help="both sides; auto: bfloat16 where its matmuls are native, else float32")
 p.add_argument("--gradient-checkpointing", action="store_true", help="on both sides (TRL's own default is on)")
 p.add_argument("--lean", default="auto", choices=["auto", "on", "off"], help="ours: train.py --lean")
 p.add_argument("--kl-estimator", default="k3", help="ours; k3 is what TRL computes")
@@ -51,6 +51,11 @@ p.add_argument("--rounds", type=int, default=1,
 p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
 p.add_argument("--out", default=None, help=argparse.SUPPRESS)
 args = p.parse_args()
+if args.dtype == "auto":  # resolved here, so that TRL's side runs in the same dtype as ours
+    import torch
+
+    from models import resolve_device, resolve_dtype
+    args.dtype = str(resolve_dtype("auto", resolve_device("auto"))[0]).removeprefix("torch.")
 if args.rounds < 1:
     p.error("--rounds must be at least 1")
 

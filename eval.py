@@ -26,7 +26,7 @@ import cli
 import lean
 import parallel
 from models import (DTYPES, ModelError, add_lora, check_dtype, load_model, load_tokenizer, load_trainable_state,
-                    resolve_device, stop_token_ids)
+                    resolve_device, resolve_dtype, stop_token_ids)
 from rollout import HFDecoder, sample
 from tasks import TASKS, DataError
 
@@ -113,7 +113,8 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=32, help="completions decoded together")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="weights for decoding")
+    p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+                   help="weights for decoding; auto: bfloat16 where its matmuls are native, else float32")
     p.add_argument("--lean", default="auto", choices=["auto", "on", "off"],
                    help="lean.py's decode step for plain Llama/Qwen2 models; auto = on CPU when its check passes")
     p.add_argument("--seed", type=int, default=0)
@@ -136,8 +137,11 @@ def main():
     except OSError as e:
         p.error(f"--out {out} cannot be written ({e.strerror}); pass another path")
     try:
-        device, dtype = resolve_device(args.device), DTYPES[args.dtype]
+        device = resolve_device(args.device)
+        dtype, note = resolve_dtype(args.dtype, device)
         check_dtype(device, dtype)
+        if note:
+            print(note)
         task = TASKS[args.task]
         examples = task.load(args.split, data_dir=args.data_dir)[:args.limit]
         if args.ckpt:
@@ -176,10 +180,11 @@ def export(p, args):
         p.error(str(e))
     if args.adapter and not cfg.get("lora_rank"):
         p.error(f"--adapter: {args.ckpt} is a full fine-tune, not a LoRA run; drop --adapter")
-    failed = checkpoint.export_hf(model, tok, args.export, DTYPES[args.dtype], adapter=args.adapter)
+    name = "bfloat16" if args.dtype == "auto" else args.dtype  # a file format, not this machine's compute
+    failed = checkpoint.export_hf(model, tok, args.export, DTYPES[name], adapter=args.adapter)
     if failed:
         sys.exit(f"error: {failed}")
-    print(f"exported {args.ckpt} ({'adapter' if args.adapter else args.dtype}) to {args.export}")
+    print(f"exported {args.ckpt} ({'adapter' if args.adapter else name}) to {args.export}")
 
 
 if __name__ == "__main__":

@@ -49,6 +49,31 @@ def resolve_device(name):
     return device
 
 
+def native_bf16(device):
+    """Whether bf16 matmuls are native on `device`. CPUs need AVX-512 or AMX for oneDNN's bf16 kernels; an
+    AVX2-only CPU emulates them, several times slower than fp32 (BENCHMARKS.md)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        try:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):  # a build without oneDNN
+            return False
+    return True  # mps and others: check_dtype tells
+
+
+def resolve_dtype(name, device):
+    """--dtype -> (torch dtype, a one-line note or None). 'auto' is bf16 where its matmuls are native, else fp32."""
+    if name == "auto":
+        if native_bf16(device):
+            return torch.bfloat16, None
+        return torch.float32, f"dtype auto -> float32: {device.type} has no native bf16 matmuls"
+    if DTYPES[name] == torch.bfloat16 and not native_bf16(device):
+        return torch.bfloat16, (f"note: {device.type} has no native bf16 matmuls (no AVX-512/AMX): bfloat16 runs "
+                                "emulated, several times slower than --dtype float32 or auto")
+    return DTYPES[name], None
+
+
 def check_dtype(device, dtype):
     """Run a tiny matmul in `dtype` so an unsupported device/dtype pair fails early with a clear message."""
     try:

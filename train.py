@@ -42,7 +42,7 @@ import rollout
 from eval import evaluate
 from metrics import TRACKERS, DriftWatch, MetricsLog, check_tracker
 from models import (DTYPES, LORA_TARGETS, ModelError, add_lora, check_dtype, load_model, load_tokenizer,
-                    resolve_device, stop_token_ids, without_adapters)
+                    resolve_device, resolve_dtype, stop_token_ids, without_adapters)
 from rewards import RewardError, combine_rewards, overlong_reward
 from rollout import micro_batches, sample
 from tasks import TASKS, DataError
@@ -62,7 +62,8 @@ g.add_argument("--data-dir", default=None, help="local GSM8K dir (else $GSM8K_DI
 g.add_argument("--model", default="smollm2-135m", help="hub id, local HF dir, .gguf file or smollm2-135m")
 g.add_argument("--ref-model", default=None, help="reference model; None = same as --model")
 g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:1 | mps")
-g.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="autocast dtype; master weights stay fp32")
+g.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+               help="autocast dtype; master weights stay fp32. auto: bfloat16 where its matmuls are native, else float32")
 g.add_argument("--ref-device", default=None, help="reference model device, e.g. cpu to offload; None = --device")
 g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
 g.add_argument("--lean", default="auto", choices=["auto", "on", "off"],
@@ -172,11 +173,14 @@ try:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     ref_device = resolve_device(args.ref_device) if args.ref_device else device
-    dtype = DTYPES[args.dtype]
+    dtype, dtype_note = resolve_dtype(args.dtype, device)
+    args.dtype = str(dtype).removeprefix("torch.")  # config.json records what ran: a resume keeps it
     check_dtype(device, dtype)
     check_dtype(ref_device, dtype)
 except ModelError as e:
     p.error(str(e))
+if dtype_note and master:
+    print(dtype_note)
 if args.kl_estimator == "full" and args.beta > 0 and ref_device != device:
     p.error("--kl-estimator full computes the reference's logits beside the policy's: --ref-device must be --device")
 problem = checkpoint.prepare_out_dir(args.out_dir, args.resume, args.overwrite, rank)  # never mix two runs' files

@@ -3,7 +3,7 @@
 task = "arith"
 model = "smollm2-135m"
 device = "auto"
-dtype = "bfloat16"        # autocast; sampling runs in bf16 (faster decoding)
+dtype = "auto"            # bf16 autocast where the CPU has native bf16 (AVX-512/AMX), else fp32 (faster there)
 group_size = 8            # G
 prompts_per_step = 2      # 16 completions a step
 micro_batch = 16

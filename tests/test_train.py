@@ -16,6 +16,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import models  # noqa: E402
 import toy  # noqa: E402
 from toy import REPO, TIMING, TOY_TRAIN, TRAIN, read_metrics, run_script, subprocess_env, train_args  # noqa: E402
 
@@ -105,6 +106,18 @@ def test_bfloat16_samples_from_the_fp32_policy_and_the_reference_matches_it(mode
     # the sampling pass runs other kernels than the training pass, in bf16: close, not equal (the toy
     # model's logits are O(1), so bf16 rounding moves a log-prob by ~1e-2 at most)
     assert all(0 < r["dlogp_max"] < 0.1 for r in rows)
+
+
+def test_dtype_auto_records_the_dtype_that_ran(model_dir, tmp_path, capsys):
+    """auto: bf16 where this CPU runs it natively, else fp32 with one line saying so; the run's files keep
+    the resolved dtype, so a resume on another machine computes in the same one."""
+    out = str(tmp_path / "run")
+    run_script(TRAIN, train_args(model_dir, out, "--dtype", "auto", steps=1))
+    native = models.native_bf16(torch.device("cpu"))
+    want = "bfloat16" if native else "float32"
+    assert json.load(open(os.path.join(out, "config.json")))["dtype"] == want
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["config"]["dtype"] == want
+    assert ("dtype auto -> float32: cpu has no native bf16 matmuls" in capsys.readouterr().out) == (not native)
 
 
 def test_lean_on_refuses_a_model_it_cannot_reproduce(model_dir, tmp_path, capsys):
