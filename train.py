@@ -13,8 +13,8 @@ Sampling and log-probs run through the model's own modules (rollout.py); --lean 
 faster passes where its check proves they compute the same thing, and says why when it does not.
 Where the defaults depart from the paper (grpo.py's docstring lists the variants):
 - the loss is aggregated per --loss-type (default: the paper's per-sequence mean);
-- sampling runs in --dtype (bf16 by default) from the policy itself; max_dlogp in the logs measures
-  how far the sampling pass is from the training pass;
+- sampling runs in --dtype (auto: bf16 where native, else fp32) from the policy itself; max_dlogp in the
+  logs measures how far the sampling pass is from the training pass;
 - multi-process runs average gradients with one all-reduce per update instead of wrapping in DDP,
   because the log-prob pass calls the decoder and the LM head separately (rollout.token_logprobs);
   --fsdp shards instead, with DCP checkpoints (parallel.py says how the root is handled).
@@ -63,7 +63,7 @@ g.add_argument("--model", default="smollm2-135m", help="hub id, local HF dir, .g
 g.add_argument("--ref-model", default=None, help="reference model; None = same as --model")
 g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:1 | mps")
 g.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
-               help="autocast dtype; master weights stay fp32. auto: bfloat16 where its matmuls are native, else float32")
+               help="autocast dtype (master weights stay fp32); auto: bfloat16 where native, else float32")
 g.add_argument("--ref-device", default=None, help="reference model device, e.g. cpu to offload; None = --device")
 g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
 g.add_argument("--lean", default="auto", choices=["auto", "on", "off"],
