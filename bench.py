@@ -155,7 +155,7 @@ def fmt(x, spec=".1f"):
 if args.grid:  # cost growth, one side at a time: G at 128 tokens, then tokens at G = 8
     points = [dict(group_size=g, max_new_tokens=128) for g in (4, 8, 16)] + \
         [dict(group_size=8, max_new_tokens=t) for t in (64, 256)]
-    trl_points = [dict(group_size=8, max_new_tokens=128), dict(group_size=16, max_new_tokens=128)]
+    trl_points = [dict(group_size=4, max_new_tokens=128), dict(group_size=8, max_new_tokens=128)]
     print("\n| side | G | max new tokens | step s | generate s | train s | mean completion len | peak RSS GiB |")
     print("|---|---|---|---|---|---|---|---|")
     for side, pts in [("ours", points)] + ([("trl", trl_points)] if args.vs_trl else []):
