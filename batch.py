@@ -50,7 +50,8 @@ def pick_groups(rewards, group_size, count):
 def process_advantages(step_rewards, tokenizer, r, examples, group_size):
     """Process supervision (DeepSeekMath §4.1.3) of a Rollout: task.step_rewards gives each completion's
     (char_end, reward) steps; each step ends on the token its last character falls in; then
-    grpo.process_advantages -> (N, C) per-token advantages."""
+    grpo.process_advantages -> ((N, C) per-token advantages, the mean step reward: the loop logs it as
+    reward/step, since the outcome rewards it logs as reward do not drive a process-supervised run)."""
     lengths = (r.completion_mask.sum(1) - (~r.truncated).long()).tolist()  # tokens before the stop token
     steps = [step_rewards(text, examples[i // group_size]) for i, text in enumerate(r.completions)]
     N, S = len(steps), max(len(s) for s in steps)
@@ -58,7 +59,8 @@ def process_advantages(step_rewards, tokenizer, r, examples, group_size):
     for i, s in enumerate(steps):
         ends[i, :len(s)] = torch.tensor(token_ends(tokenizer, r.completion_ids[i], lengths[i], [e for e, _ in s]))
         values[i, :len(s)], mask[i, :len(s)] = torch.tensor([v for _, v in s]), True
-    return grpo.process_advantages(values, ends, mask, group_size, r.completion_ids.size(1))  # (N, C)
+    adv = grpo.process_advantages(values, ends, mask, group_size, r.completion_ids.size(1))  # (N, C)
+    return adv, values[mask].mean()
 
 
 def collect(step, examples, sample_fn, score_fn, args, first, count):

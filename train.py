@@ -344,7 +344,8 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     adv, frac_zero = grpo.group_advantages(all_rewards, args.group_size, args.scale_rewards)
     adv = adv[rank * N:(rank + 1) * N]  # (N,) this rank's rows
     if args.supervision == "process":  # per-token advantages from the task's step rewards
-        adv = batch.process_advantages(task.step_rewards, tokenizer, r, examples, args.group_size).to(device)
+        adv, row["reward/step"] = batch.process_advantages(task.step_rewards, tokenizer, r, examples, args.group_size)
+        adv = adv.to(device)
     loss_mask = r.completion_mask * keep.long()[:, None]  # (N, C) --dynamic-sampling's filler rows get no loss
     if args.mask_truncated:
         loss_mask = loss_mask * (~r.truncated).long()[:, None]

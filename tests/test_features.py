@@ -357,6 +357,9 @@ def test_process_supervision_advantages_are_the_hand_calculation(smol_tok, tmp_p
         # float32 against Python's float64 sums of a few O(1) terms: ~1e-7 apart
         torch.testing.assert_close(adv, want, atol=1e-5, rtol=0)
         assert adv[:, 0].abs().min() > 0.1  # every row's first token carries its steps' rewards
+    every_step = [v for i in range(len(r.completions)) for v in steps_of(golds[i], i // G)[i % G][1]]
+    [row] = read_metrics(str(tmp_path / "out"))  # logged as reward/step: the mean over all steps of the batch
+    assert row["reward/step"] == pytest.approx(sum(every_step) / len(every_step), abs=1e-6)
 
 # -----------------------------------------------------------------------------
 # tracker logging and the metrics file
