@@ -67,7 +67,7 @@ def ours_child(out):
                 "--micro-batch", str(args.micro_batch), "--max-new-tokens", str(args.max_new_tokens),
                 "--temperature", "1.0", "--beta", str(args.beta), "--lr", str(args.lr), "--mu", "1",
                 "--loss-type", args.loss_type, "--dtype", args.dtype, "--eval-n", "0", "--save-every", "0",
-                "--log-completions", "0", "--out-dir", out, "--lean", args.lean,
+                "--log-completions", "0", "--export", "none", "--out-dir", out, "--lean", args.lean,
                 "--kl-estimator", args.kl_estimator, "--is-mode", "none"] + \
         (["--gradient-checkpointing"] if args.gradient_checkpointing else []) + \
         (["--data-dir", args.data_dir] if args.data_dir else [])
