@@ -52,8 +52,8 @@ def resolve_device(name):
 def native_bf16(device):
     """Whether bf16 matmuls are native on `device`. CPUs need AVX-512 or AMX for oneDNN's bf16 kernels; an
     AVX2-only CPU emulates them, several times slower than fp32 (BENCHMARKS.md)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+    if device.type == "cuda":  # pre-Ampere GPUs emulate bf16 too
+        return torch.cuda.is_bf16_supported(including_emulation=False)
     if device.type == "cpu":
         try:
             return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -69,8 +69,9 @@ def resolve_dtype(name, device):
             return torch.bfloat16, None
         return torch.float32, f"dtype auto -> float32: {device.type} has no native bf16 matmuls"
     if DTYPES[name] == torch.bfloat16 and not native_bf16(device):
-        return torch.bfloat16, (f"note: {device.type} has no native bf16 matmuls (no AVX-512/AMX): bfloat16 runs "
-                                "emulated, several times slower than --dtype float32 or auto")
+        why = " (no AVX-512/AMX)" if device.type == "cpu" else ""
+        return torch.bfloat16, (f"note: {device.type} has no native bf16 matmuls{why}: bfloat16 runs emulated, "
+                                "several times slower than --dtype float32 or auto")
     return DTYPES[name], None
 
 
