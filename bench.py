@@ -52,8 +52,6 @@ p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
 p.add_argument("--out", default=None, help=argparse.SUPPRESS)
 args = p.parse_args()
 if args.dtype == "auto":  # resolved here, so that TRL's side runs in the same dtype as ours
-    import torch
-
     from models import resolve_device, resolve_dtype
     args.dtype = str(resolve_dtype("auto", resolve_device("auto"))[0]).removeprefix("torch.")
 if args.rounds < 1:
