@@ -2,7 +2,6 @@
 Benchmark one GRPO step of train.py, optionally side by side with TRL's GRPOTrainer.
 
     python bench.py                       # our loop: per-phase times, tokens/s, peak RSS
-    python bench.py --lean off            # the plain path (the model's own modules) instead of lean.py
     python bench.py --vs-trl --rounds 3   # + TRL GRPOTrainer (pip install trl==1.16.0), in turn, median ratios
     python bench.py --grid                # cost growth: group size 4/8/16, max new tokens 64/128/256
 
@@ -39,7 +38,6 @@ p.add_argument("--lr", type=float, default=1e-6)
 p.add_argument("--loss-type", default="grpo")
 p.add_argument("--dtype", default="auto", help="both sides; auto: bfloat16 where its matmuls are native, else float32")
 p.add_argument("--gradient-checkpointing", action="store_true", help="on both sides (TRL's own default is on)")
-p.add_argument("--lean", default="auto", choices=["auto", "on", "off"], help="ours: train.py --lean")
 p.add_argument("--kl-estimator", default="k3", help="ours; k3 is what TRL computes")
 p.add_argument("--grid", action="store_true", help="ours at G = 4, 8, 16 and 64, 128, 256 new tokens (and TRL at "
                "two of them with --vs-trl)")
@@ -64,15 +62,15 @@ def ours_child(out):
                 "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
                 "--micro-batch", str(args.micro_batch), "--max-new-tokens", str(args.max_new_tokens),
                 "--temperature", "1.0", "--beta", str(args.beta), "--lr", str(args.lr), "--mu", "1",
-                "--loss-type", args.loss_type, "--dtype", args.dtype, "--eval-n", "0", "--save-every", "0",
-                "--log-completions", "0", "--export", "none", "--out-dir", out, "--lean", args.lean,
+                "--loss-type", args.loss_type, "--dtype", args.dtype, "--eval-n", "0", "--config", "save_every=0",
+                "--config", "log_completions=0", "--config", "export=none", "--out-dir", out,
                 "--kl-estimator", args.kl_estimator, "--is-mode", "none"] + \
         (["--gradient-checkpointing"] if args.gradient_checkpointing else []) + \
         (["--data-dir", args.data_dir] if args.data_dir else [])
     runpy.run_path(os.path.join(HERE, "train.py"), run_name="__main__")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    return [{"t_step": r["t_step"], "t_generate": r["t_generate"], "t_reference": r["t_reference"],
-             "t_train": r["t_train"], "completion_len": r["completion_len"], "loss": r["loss"]} for r in rows]
+    keys = ("t_step", "t_generate", "t_reference", "t_train", "completion_len", "prompt_len", "loss")
+    return [{k: r[k] for k in keys} for r in rows]
 
 
 def trl_child(out):
@@ -138,11 +136,39 @@ def run_side(name, **over):
     return med, res["peak_rss_gib"], res["rows"]
 
 
+def matmul_gflops(dtype, n=10):
+    """The machine's matmul speed in `dtype` (GFLOP/s): SmolLM2's MLP shape, 2048 x 576 by 576 x 1536, median of n."""
+    import torch
+    a, b = torch.randn(2048, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
+    times = []
+    for _ in range(n + 2):
+        t = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - t)
+    return 2 * 2048 * 576 * 1536 / statistics.median(times[2:]) / 1e9
+
+
+def step_flops(cfg, prompts, G, p, c):
+    """Matmul FLOPs of one step by phase, from the model's shapes: B prompts of p tokens, G completions of c
+    tokens each. Forward: 2 * (layer weights + head) per token + attention 4 * L * H * context; the prompt runs
+    once per group in every pass (the head only at its last token); training = forward + backward (2x) + the
+    head once more (its chunks are checkpointed)."""
+    H, L, V = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    kv = H * cfg.num_key_value_heads // cfg.num_attention_heads
+    layers = 2 * L * (2 * H * H + 2 * H * kv + 3 * H * cfg.intermediate_size)  # per token
+    head, attn = 2 * H * V, lambda ctx: 4 * L * H * ctx
+    prompt = prompts * p * (layers + attn(p / 2))  # each prompt once
+    completion = prompts * G * c * (layers + attn(p + c / 2))
+    fwd = prompt + completion + prompts * G * c * head
+    return {"t_generate": prompt + completion + prompts * (1 + G * c) * head, "t_reference": fwd,
+            "t_train": 3 * fwd + prompts * G * c * head}
+
+
 cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
 import torch  # noqa: E402 (only for the machine line)
 print(f"# {time.strftime('%Y-%m-%d')} | {cpu} | {os.cpu_count()} cores, torch {torch.__version__}, "
       f"{torch.get_num_threads()} threads | {args.model}, {args.prompts_per_step}x{args.group_size} completions, "
-      f"{args.max_new_tokens} new tokens, beta {args.beta}, {args.dtype} autocast, lean {args.lean}, "
+      f"{args.max_new_tokens} new tokens, beta {args.beta}, {args.dtype} autocast, "
       f"{args.steps - 1} timed steps")
 
 
@@ -177,6 +203,17 @@ for rnd in range(args.rounds if args.vs_trl else 1):
         g = med.get("t_generate")
         print(f"| {name} | {fmt(med['t_step'])} | {fmt(g)} | {fmt(med.get('t_reference'))} | "
               f"{fmt(med.get('t_train'))} | {fmt(g and n_tok / g, '.0f')} | {med['completion_len']:.0f} | {peak:.2f} |")
+    from transformers import AutoConfig  # noqa: E402
+    from models import resolve_model  # noqa: E402
+    med = results["ours"][0]
+    peak = matmul_gflops(getattr(torch, args.dtype))
+    flops = step_flops(AutoConfig.from_pretrained(resolve_model(args.model)), args.prompts_per_step,
+                       args.group_size, med["prompt_len"], med["completion_len"])
+    print(f"\nours against a FLOP estimate ({args.dtype} matmul: {peak:.0f} GFLOP/s on this machine)\n")
+    print("| phase | estimated GFLOP | at the matmul rate s | measured s | share of the matmul rate |")
+    print("|---|---:|---:|---:|---:|")
+    for k, f in flops.items():
+        print(f"| {k[2:]} | {f / 1e9:.0f} | {f / 1e9 / peak:.1f} | {med[k]:.1f} | {f / 1e9 / peak / med[k]:.0%} |")
     if args.vs_trl:
         (o, po, _), (t, pt, _) = results["ours"], results["trl"]
         ratios.append((o["t_step"] / t["t_step"], po / pt,

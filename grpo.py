@@ -1,39 +1,17 @@
-"""
-The GRPO objective as small pure tensor functions: no model calls, no I/O, no classes.
+"""The GRPO objective as small pure tensor functions, plus Objective, the loss's options. No model calls, no I/O.
+Paper: DeepSeekMath (https://arxiv.org/abs/2402.03300) §4.1; each variant cites its source where it is computed.
+The README keeps the one list of where the defaults depart from the paper.
+Conventions: rows are contiguous groups of G (prompt i owns rows i*G ... i*G+G-1); N rows, T completion tokens;
+mask (N, T) is True on valid completion tokens. Loss = minus the objective."""
 
-Paper: DeepSeekMath, Shao et al. 2024, §4.1 (https://arxiv.org/abs/2402.03300). Variants, all off
-by default unless said otherwise:
-- Dr. GRPO (https://arxiv.org/abs/2503.20783): no std scaling (scale="none"), loss_type="dr_grpo".
-- DAPO (https://arxiv.org/abs/2503.14476): clip-higher (eps_high > eps_low), loss_type="dapo".
-- GSPO (https://arxiv.org/abs/2507.18071): sequence-level importance ratio (importance_level="sequence").
-- INTELLECT-2 (https://arxiv.org/abs/2505.07291): two-sided clipping, ratio capped at delta.
-- Beyond the 80/20 rule (https://arxiv.org/abs/2506.01939): policy term on top-entropy tokens only.
-- KL estimators k1/k2/k3: http://joschu.net/blog/kl-approx.html (k3 is the paper's, eq. 4);
-  k3_clamped: verl's bounded k3 ("low_var_kl"); full: the exact KL over the vocabulary, from logits.
-- Lite PPO (https://arxiv.org/abs/2508.08221): group mean, batch std (scale="batch").
-- loss_type="bnpo": token mean over each micro-batch, as in TRL's GRPOTrainer.
-- DAPO dynamic sampling (§3.2): informative_groups says which groups have any reward spread.
-- Sampler/trainer mismatch (https://fengyao.notion.site/off-policy-rl, TRL vllm_importance_sampling_*):
-  behaviour_weights, truncated or masked pi_train / pi_sample, multiplied into the policy term.
-
-Where the defaults depart from the paper:
-- beta=0.0 (paper: 0.04); no reference model is needed then (Dr. GRPO, DAPO, TRL default).
-- kl_estimator=KL_DEFAULT="k3_clamped" (paper: k3), read only when beta > 0: one token with
-  pi_ref >> pi cannot blow up the loss.
-- std is the unbiased sample std (/(G-1)) plus eps=1e-4, like the paper's reference code and TRL
-  (the paper's formula does not say which; write-ups that use /G print larger advantages).
-- old_logp=None means mu=1 (one optimisation step per generation batch): ratio = exp(logp - logp.detach()).
-
-Conventions: rows are contiguous groups of G (prompt i owns rows i*G ... i*G+G-1); N rows, T
-completion tokens; mask (N, T) is 1 on valid completion tokens. Loss = minus the objective.
-"""
+import math
+from dataclasses import dataclass
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 SCALES = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3", "k3_clamped", "full")
-KL_DEFAULT = "k3_clamped"
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IMPORTANCE_LEVELS = ("token", "sequence")
 BEHAVIOUR_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -44,8 +22,8 @@ def _check_choice(name, value, choices):
         raise ValueError(f"{name} must be one of {choices}, got {value!r}")
 
 
-def _check_shape(name, x, shape):
-    if tuple(x.shape) != tuple(shape):
+def _check_shape(name, x, shape):  # None passes: an optional input
+    if x is not None and tuple(x.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
 
 
@@ -64,15 +42,9 @@ def _up(x):
 # -----------------------------------------------------------------------------
 # advantages
 
-
 def informative_groups(rewards, group_size):
-    """
-    DAPO dynamic sampling (https://arxiv.org/abs/2503.14476 §3.2, eq. 11 keeps a prompt iff
-    0 < #correct < G): group g is informative iff some r_gi != r_g0 (exact equality). A flat group
-    gets zero advantages (group_advantages uses this test), so it adds no gradient.
-
-    rewards (N,) -> bool (N/G,)
-    """
+    """DAPO dynamic sampling (https://arxiv.org/abs/2503.14476 §3.2, eq. 11): group g is informative iff some
+    r_gi != r_g0; a flat group gets zero advantages, so no gradient. rewards (N,) -> bool (N/G,)"""
     if rewards.dim() != 1:
         raise ValueError(f"rewards must have shape (N,), got {tuple(rewards.shape)}")
     _check_groups(rewards.shape[0], group_size)
@@ -82,18 +54,11 @@ def informative_groups(rewards, group_size):
 
 
 def group_advantages(rewards, group_size, scale="group", eps=1e-4):
-    """
-    Outcome supervision (DeepSeekMath §4.1.2): A_i = (r_i - mean(group)) / (std + eps), for every token.
-
-    scale="group": std of the group (the paper); "batch": std of all N rewards, mean still per
-    group (https://arxiv.org/abs/2508.08221, TRL scale_rewards="batch"); "none": A_i = r_i - mean
-    (Dr. GRPO, https://arxiv.org/abs/2503.20783 §3.1).
-    std is the UNBIASED sample std, sqrt(sum (r - mean)^2 / (G - 1)) (torch.std's default), as in
-    the paper's reference code and TRL. A group whose rewards are all equal gets exactly 0: it
-    carries no learning signal, and fp32 rounding of its mean must not invent one. (TRL does not
-    special-case it and gets tiny non-zero advantages there, up to 2.4e-3 at G=8 for rewards in [0, 2].)
-
-    rewards (N,) -> (advantages (N,), frac_zero_std 0-dim: fraction of groups with equal rewards)
+    """Outcome supervision (DeepSeekMath §4.1.2): A_i = (r_i - mean(group)) / (std + eps) on every token.
+    scale "group": the paper; "batch": std of all N rewards (https://arxiv.org/abs/2508.08221); "none": no division
+    (Dr. GRPO, https://arxiv.org/abs/2503.20783 §3.1). std is unbiased (/(G-1)), as the paper's code and TRL.
+    A flat group gets exactly 0: fp32 rounding of its mean must not invent a signal.
+    rewards (N,) -> (advantages (N,), fraction of flat groups 0-dim)
 
     >>> adv, frac = group_advantages(torch.tensor([-2., -2, -5, 0, -5, -1, -1, -3]), 4)
     >>> [round(a, 2) for a in adv.tolist()], frac.item()
@@ -102,27 +67,17 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     flat = ~informative_groups(rewards, group_size)[:, None]  # (N/G, 1)
     _check_choice("scale", scale, SCALES)
     r = _up(rewards).view(-1, group_size)  # (N/G, G)
-    centred = r - r.mean(1, keepdim=True)  # (N/G, G)
-    if scale == "group":
-        adv = centred / (r.std(1, keepdim=True) + eps)
-    elif scale == "batch":
-        adv = centred / (r.std() + eps)
-    else:
-        adv = centred
-    adv = torch.where(flat, 0.0, adv).view(-1)  # (N,)
-    return adv, flat.float().mean()
+    adv = r - r.mean(1, keepdim=True)  # (N/G, G)
+    if scale != "none":  # "group": each group's std, "batch": one std over all N rewards
+        adv = adv / ((r.std(1, keepdim=True) if scale == "group" else r.std()) + eps)
+    return torch.where(flat, 0.0, adv).view(-1), flat.float().mean()  # (N,), 0-dim
 
 
 def process_advantages(step_rewards, step_ends, step_mask, group_size, seq_len, eps=1e-4):
-    """
-    Process supervision (DeepSeekMath §4.1.3): each output has steps; step j ends at token
-    step_ends[j] and has reward r_j. Rewards are normalised over all steps of all G outputs of the
-    group, r~_j = (r_j - mean) / (std + eps) (unbiased std, as in group_advantages), and
-    A_t = sum of r~_j over the steps with step_ends[j] >= t. Tokens after the last step get 0.
-
-    step_rewards (N, S), step_ends (N, S) long token index, step_mask (N, S) bool (False = padding
-    step; S is the max step count) -> advantages (N, seq_len)
-    """
+    """Process supervision (DeepSeekMath §4.1.3): step j of an output ends at token step_ends[j] with reward r_j;
+    r~_j = (r_j - mean) / (std + eps) over all steps of the group's G outputs (unbiased std), and
+    A_t = sum of r~_j over the steps with step_ends[j] >= t (0 after the last step).
+    step_rewards, step_ends (long), step_mask (False: padding step) (N, S) -> advantages (N, seq_len)"""
     _check_shape("step_ends", step_ends, step_rewards.shape)
     _check_shape("step_mask", step_mask, step_rewards.shape)
     N, S = step_rewards.shape
@@ -138,8 +93,8 @@ def process_advantages(step_rewards, step_ends, step_mask, group_size, seq_len, 
     std = (dev.pow(2).sum(1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # (N/G, 1)
     hi = torch.where(gm, r, -torch.inf).amax(1, keepdim=True)  # (N/G, 1)
     lo = torch.where(gm, r, torch.inf).amin(1, keepdim=True)  # (N/G, 1)
-    norm = torch.where(hi == lo, 0.0, dev / (std + eps)).view(N, S)  # (N, S)
-    # put each step's reward on its last token, then a reverse cumsum sums the steps ending at or after t
+    norm = torch.where(hi == lo, 0.0, dev / (std + eps)).view(N, S)  # (N, S); a flat group gets 0
+    # each step's reward on its last token, then a reverse cumsum sums the steps ending at or after t
     per_token = r.new_zeros(N, seq_len).scatter_add_(1, torch.where(m, step_ends, 0), torch.where(m, norm, 0))
     return per_token.flip(1).cumsum(1).flip(1)  # (N, T)
 
@@ -147,15 +102,10 @@ def process_advantages(step_rewards, step_ends, step_mask, group_size, seq_len, 
 # -----------------------------------------------------------------------------
 # per-token pieces
 
-
 def importance_ratio(logp, old_logp, mask, level="token"):
-    """
-    level="token" (the paper): rho_t = exp(logp_t - old_logp_t).
-    level="sequence" (GSPO, https://arxiv.org/abs/2507.18071 eq. 7): s_i = exp(sum_t m_t (logp_t -
-    old_logp_t) / sum_t m_t), the length-normalised sequence ratio, broadcast to every token of row i.
-
-    logp, old_logp, mask (N, T) -> ratio (N, T); 1 at padding (token level).
-    """
+    """"token" (the paper): rho_t = exp(logp_t - old_logp_t); "sequence" (GSPO, https://arxiv.org/abs/2507.18071
+    eq. 7): exp(sum_t m_t (logp_t - old_logp_t) / sum_t m_t) on every token of the row.
+    logp, old_logp, mask (N, T) -> (N, T), 1 at padding (token level)"""
     _check_choice("importance_level", level, IMPORTANCE_LEVELS)
     mask = mask.bool()
     # mask before exp: padding may hold -inf/garbage, and 0 * inf in backward is NaN
@@ -167,16 +117,10 @@ def importance_ratio(logp, old_logp, mask, level="token"):
 
 
 def clipped_surrogate(ratio, advantages, eps_low=0.2, eps_high=None, delta=None):
-    """
-    PPO/GRPO clipped surrogate (DeepSeekMath eq. 3), the objective to MAXIMISE:
-        min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A)
-    eps_high=None means eps_high = eps_low (the paper); eps_high > eps_low is DAPO's clip-higher
-    (https://arxiv.org/abs/2503.14476 §3.1). delta (INTELLECT-2 two-sided clipping,
-    https://arxiv.org/abs/2505.07291 §3.2) caps the unclipped branch, min(min(rho, delta) A, ...),
-    so a negative-advantage token with a huge ratio cannot blow up the update. Order as in TRL.
-
-    ratio (N, T), advantages (N, T) or broadcastable (N, 1) -> (N, T)
-    """
+    """DeepSeekMath eq. 3, to maximise: min(min(rho, delta) A, clip(rho, 1 - eps_low, 1 + eps_high) A).
+    eps_high > eps_low is DAPO's clip-higher (https://arxiv.org/abs/2503.14476 §3.1; None: eps_low); delta is
+    INTELLECT-2's cap (https://arxiv.org/abs/2505.07291 §3.2): a huge ratio with A < 0 cannot blow up the update.
+    ratio (N, T), advantages (N, T) or (N, 1) -> (N, T)"""
     eps_high = eps_low if eps_high is None else eps_high
     if delta is not None and delta <= 1 + eps_high:
         raise ValueError(f"delta must be > 1 + eps_high = {1 + eps_high}, got {delta}")
@@ -186,20 +130,11 @@ def clipped_surrogate(ratio, advantages, eps_low=0.2, eps_high=None, delta=None)
     return torch.minimum(ratio * advantages, clipped)
 
 
-def kl_estimate(logp, ref_logp, estimator=KL_DEFAULT):
-    """
-    Per-token estimate of KL(pi || pi_ref) from the sampled token's log-probs (tokens drawn from pi),
-    http://joschu.net/blog/kl-approx.html. With x = ref_logp - logp = log(pi_ref / pi):
-        k1 = -x (unbiased, can be negative); k2 = x^2 / 2 (biased, >= 0);
-        k3 = exp(x) - x - 1 (unbiased, >= 0; DeepSeekMath eq. 4);
-        k3_clamped = min(k3(clamp(x, -20, 20)), 10) (the default): verl's "low_var_kl" (kl_penalty in
-        verl/trainer/ppo/core_algos.py). With plain k3 one token whose reference log-prob is far above
-        the policy's makes exp(x) explode (value and gradient exp(x) - 1; fp32 overflows past x = 88).
-        It equals k3 for -11 < x < 2.61; outside, the value is 10 and the gradient 0.
-    "full" (the exact KL over the vocabulary) needs logits: full_kl, passed to grpo_loss as kl=.
-
-    logp, ref_logp (N, T) -> (N, T)
-    """
+def kl_estimate(logp, ref_logp, estimator="k3_clamped"):
+    """Per-token KL(pi || pi_ref) from tokens sampled from pi, x = ref_logp - logp (joschu.net/blog/kl-approx.html):
+    k1 = -x, k2 = x^2 / 2, k3 = e^x - x - 1 (DeepSeekMath eq. 4), k3_clamped = min(k3(clamp(x, -20, 20)), 10)
+    (verl's "low_var_kl"): one token with pi_ref >> pi cannot blow up value or gradient; equal to k3 for
+    -11 < x < 2.61. "full" needs logits: full_kl. logp, ref_logp (N, T) -> (N, T)"""
     _check_choice("kl_estimator", estimator, KL_ESTIMATORS)
     if estimator == "full":
         raise ValueError("kl_estimator='full' needs logits: pass kl=full_kl(logits, ref_logits) to grpo_loss")
@@ -214,39 +149,25 @@ def kl_estimate(logp, ref_logp, estimator=KL_DEFAULT):
     return k3.clamp(max=10) if estimator == "k3_clamped" else k3  # verl clamps to [-10, 10]; k3 >= 0
 
 
-def behaviour_weights(train_logp, sample_logp, mask, mode="token_truncate", cap=2.0, cap_min=None):
-    """
-    Sampler/trainer mismatch: tokens are drawn from the sampler's numerics mu (e.g. bf16 decode) but
-    the loss uses the trainer's pi, so the policy term is reweighted by pi / mu, truncated or masked
-    (TIS, https://fengyao.notion.site/off-policy-rl), as TRL's vllm_importance_sampling_mode. With
-    d_t = train_logp_t - sample_logp_t, bounds [cap_min, cap] (cap_min=None: none, TRL's default):
-      "token_truncate":    w_t = clamp(exp(d_t), cap_min, cap)
-      "token_mask":        w_t = exp(d_t) if cap_min <= exp(d_t) <= cap else 0
-      "sequence_truncate": w_t = clamp(exp(sum_t m_t d_t), cap_min, cap) on every token of the row
-      "sequence_mask":     w_t = exp(sum_t m_t d_t) if within the bounds else 0, on the row
-      "none":              w_t = 1 (metrics only)
-    The sequence ratio is the product of token ratios (TRL's sum, not GSPO's length-normalised mean).
-    cap=2 as TIS (TRL: 3). train_logp: the trainer's log-probs under the policy that sampled (old_logp;
-    with mu=1 the current logp), detached here: the weights carry no gradient. Padding gets weight 1
-    (neutral; grpo_loss masks it anyway). NaN on a valid token stays NaN (TRL maps it to weight 1;
-    our sampler scores every token, so NaN is a bug to surface).
-
-    train_logp, sample_logp, mask (N, T) -> (weights (N, T) detached, at least fp32; metrics of
-    detached 0-dim tensors over valid tokens: is_capped (fraction outside the bounds, so truncated or
-    zeroed; 0 for "none"), dlogp_mean, dlogp_p99, dlogp_max of |d_t|)
-    """
+def behaviour_weights(train_logp, sample_logp, mask, mode="token_truncate", cap=2.0):
+    """Sampler/trainer mismatch (TIS, https://fengyao.notion.site/off-policy-rl; TRL vllm_importance_sampling_mode):
+    the policy term is reweighted by pi_train / pi_sample. With d_t = train_logp_t - sample_logp_t, token modes
+    use exp(d_t), sequence modes exp(sum_t m_t d_t) (TRL's product, not GSPO's mean) on the whole row; "truncate"
+    clamps to <= cap (2 as TIS), "mask" zeroes above cap, "none" is 1 (metrics only). Padding gets 1. A NaN on a
+    valid token stays NaN: TRL (PR #6693) zeroes its d_t, so weight 1 in token modes and dropped from the row's
+    sum in sequence modes; our sampler scores every token, so a NaN is a bug to surface.
+    train_logp, sample_logp, mask (N, T) -> (weights (N, T) detached, metrics of detached 0-dim tensors:
+    is_capped (fraction of valid tokens above cap), dlogp_mean, dlogp_p99, dlogp_max of |d_t|)"""
     _check_choice("behaviour_mode", mode, BEHAVIOUR_MODES)
     _check_shape("sample_logp", sample_logp, train_logp.shape)
     _check_shape("mask", mask, train_logp.shape)
-    if cap_min is not None and cap_min >= cap:
-        raise ValueError(f"cap_min ({cap_min}) must be < cap ({cap})")
     mask = mask.bool()
     with torch.no_grad():
         d = torch.where(mask, _up(train_logp) - _up(sample_logp), 0.0)  # (N, T); padding garbage out
         log_w = d.sum(1, keepdim=True).expand_as(d) if mode.startswith("sequence") else d  # (N, T)
         ratio = log_w.exp()
-        out = (ratio > cap) | (ratio < (-torch.inf if cap_min is None else cap_min))  # (N, T)
-        w = ratio.clamp(cap_min, cap) if mode.endswith("truncate") else torch.where(out, 0.0, ratio)
+        out = ratio > cap  # (N, T)
+        w = ratio.clamp(max=cap) if mode.endswith("truncate") else torch.where(out, 0.0, ratio)
         if mode == "none":
             w, out = torch.ones_like(ratio), torch.zeros_like(out)
         w = torch.where(mask, w, 1.0)
@@ -259,8 +180,8 @@ def behaviour_weights(train_logp, sample_logp, mask, mode="token_truncate", cap=
 
 
 def _rowwise(fn, *logits, chunk_size):
-    """Apply fn to (chunk_size, V) row blocks of (..., V) tensors, so only one block is upcast to fp32
-    at a time; under autograd each block is checkpointed so backward keeps no (N, T, V) fp32 either."""
+    """fn over (chunk_size, V) row blocks of (..., V) tensors: one block upcast to fp32 at a time, and under
+    autograd each block is checkpointed, so backward keeps no (N, T, V) fp32 either."""
     lead, V = logits[0].shape[:-1], logits[0].shape[-1]
     flat = [x.reshape(-1, V) for x in logits]  # (N*T, V)
     out = []
@@ -278,39 +199,18 @@ def _kl_rows(logits, ref_logits):
     return (logq.exp() * (logq - logq_ref)).sum(-1)  # (C,)
 
 
-def _entropy_rows(logits):
-    logq = _up(logits).log_softmax(-1)  # (C, V)
-    return -(logq.exp() * logq).sum(-1)  # (C,)
-
-
 def full_kl(logits, ref_logits, mask=None, chunk_size=512):
-    """
-    Exact per-token KL(pi || pi_ref) = sum_v pi(v) (log pi(v) - log pi_ref(v)) over the whole
-    vocabulary, from two logit tensors, chunk_size rows of N*T at a time. 0 where mask is False.
-
-    logits, ref_logits (N, T, V), mask (N, T) or None -> (N, T)
-    """
+    """Exact per-token KL(pi || pi_ref) = sum_v pi(v) (log pi(v) - log pi_ref(v)), chunk_size rows at a time.
+    logits, ref_logits (N, T, V), mask (N, T) or None -> (N, T), 0 where mask is False"""
     _check_shape("ref_logits", ref_logits, logits.shape)
     kl = _rowwise(_kl_rows, logits, ref_logits, chunk_size=chunk_size)  # (N, T)
     return kl if mask is None else torch.where(mask.bool(), kl, 0.0)
 
 
-def entropy_from_logits(logits, chunk_size=512):
-    """
-    Per-token entropy of the policy, H_t = -sum_v pi(v) log pi(v), chunked as in full_kl.
-    Differentiable, for an entropy bonus. logits (N, T, V) -> (N, T)
-    """
-    return _rowwise(_entropy_rows, logits, chunk_size=chunk_size)
-
-
 def top_entropy_mask(entropy, mask, quantile):
-    """
-    Keep only the highest-entropy ("forking") tokens, https://arxiv.org/abs/2506.01939: True where
-    mask and H_t >= the (1 - quantile) quantile of H over the valid tokens of this call (linear
-    interpolation, as TRL). quantile=1 keeps every valid token; 0.2 keeps the top 20%.
-
-    entropy, mask (N, T) -> bool (N, T)
-    """
+    """The policy term on the high-entropy "forking" tokens only (https://arxiv.org/abs/2506.01939): mask and
+    H_t >= the (1 - quantile) quantile of H over valid tokens (linear, as TRL); 1 keeps all, 0.2 the top 20%.
+    entropy, mask (N, T) -> bool (N, T)"""
     if not 0 < quantile <= 1:
         raise ValueError(f"top_entropy_quantile must be in (0, 1], got {quantile}")
     _check_shape("mask", mask, entropy.shape)
@@ -325,23 +225,14 @@ def top_entropy_mask(entropy, mask, quantile):
 # -----------------------------------------------------------------------------
 # aggregation and the full loss
 
-
 def aggregate(per_token, mask, loss_type="grpo", num_sequences=None, num_tokens=None, max_len=None):
-    """
-    Reduce a per-token loss l (N, T) to a scalar. m = mask, |o_i| = sum_t m_it. The call may be one
-    micro-batch of a generation batch of num_sequences rows and num_tokens valid tokens (defaults:
-    this call's); it returns this micro-batch's contribution, so for grpo, dr_grpo and dapo summing over
-    micro-batches (gradient accumulation without further scaling) gives the full-batch loss. bnpo is a
-    token mean per micro-batch by definition: the sum is the mean of the micro-batches' token means,
-    the full-batch token mean only when every micro-batch holds the same number of tokens.
+    """Per-token loss l (N, T) -> 0-dim; |o_i| = sum_t m_it. A call may be one micro-batch of a batch of
+    num_sequences rows and num_tokens valid tokens (default: this call's); summing the calls gives the batch's
+    loss (bnpo: the mean of the micro-batches' token means).
       "grpo"    (DeepSeekMath eq. 3): sum_i (sum_t m l / |o_i|) / num_sequences
-      "bnpo"    (TRL): (sum_it m l / sum_it m) * N / num_sequences, i.e. the mean over equal-size
-                micro-batches of each one's token mean
+      "bnpo"    (TRL): sum_it m l / sum_it m * N / num_sequences
       "dr_grpo" (https://arxiv.org/abs/2503.20783 §3.2): sum_it m l / (num_sequences * max_len)
-      "dapo"    (https://arxiv.org/abs/2503.14476 eq. 8): sum_it m l / num_tokens
-
-    per_token, mask (N, T) -> 0-dim
-    """
+      "dapo"    (https://arxiv.org/abs/2503.14476 eq. 8): sum_it m l / num_tokens"""
     _check_choice("loss_type", loss_type, LOSS_TYPES)
     _check_shape("mask", mask, per_token.shape)
     N, T = per_token.shape
@@ -361,31 +252,52 @@ def aggregate(per_token, mask, loss_type="grpo", num_sequences=None, num_tokens=
     return masked.sum() / num_tokens.clamp(min=1)
 
 
-def grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, beta=0.0, eps_low=0.2, eps_high=None, delta=None,
-              kl_estimator=KL_DEFAULT, loss_type="grpo", importance_level="token", entropy=None, entropy_coef=0.0,
-              top_entropy_quantile=1.0, num_sequences=None, num_tokens=None, max_len=None, kl=None,
-              behaviour_weights=None):
-    """
-    The GRPO loss of one (micro-)batch, DeepSeekMath eq. 3 with the variants above. Per token:
-        l_t = -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A) * e_t * w_t + beta * KL_t - entropy_coef * H_t
-    then aggregate(l, mask, loss_type, ...) (see there for num_sequences / num_tokens / max_len).
-    e_t (top-entropy mask) and w_t (behaviour weights) multiply the policy term only, as TRL's
-    grpo_trainer.py (per_token_loss * entropy_mask * importance_sampling_ratio + beta * per_token_kl).
-    TRL's entropy bonus is a token mean over the entropy-masked tokens; here -entropy_coef * H_t is
-    aggregated by loss_type over all valid tokens.
+@dataclass(frozen=True)
+class Objective:
+    """grpo_loss's options, each train.py's flag of the same name; eps_high=None becomes eps. A bad value is a
+    one-line ValueError naming the flag. max_len: dr_grpo's divisor, the generation budget (--max-new-tokens)."""
+    beta: float = 0.04
+    kl_estimator: str = "k3_clamped"
+    loss_type: str = "grpo"
+    eps: float = 0.2
+    eps_high: float | None = None
+    delta: float | None = None
+    importance_level: str = "token"
+    entropy_coef: float = 0.0
+    top_entropy_quantile: float = 1.0
+    max_len: int | None = None
 
-    logp (N, T) log-probs of the sampled tokens under the current policy (carries grad);
-    old_logp (N, T) or None (mu=1: logp.detach(), so the value is A and the gradient A grad logp);
-    ref_logp (N, T), needed only if beta > 0 with a log-prob estimator (never read otherwise);
-    advantages (N,) or (N, T); mask (N, T) valid completion tokens; entropy (N, T) needed if
-    entropy_coef != 0 (then it carries grad) or top_entropy_quantile < 1; kl (N, T), needed if
-    kl_estimator="full" and beta > 0: exact per-token KL(pi || pi_ref), full_kl of both models'
-    logits from the log-prob pass, carrying grad; behaviour_weights (N, T), used detached.
-    -> (loss 0-dim to backprop, metrics dict of detached 0-dim tensors over this call's valid
-    tokens: kl (mean) and kl_max (if beta > 0), clip_low, clip_high, clip, entropy (if given),
-    ratio_mean/min/max; the clip fractions are token-weighted also at importance_level="sequence",
-    where TRL's are row-weighted)
-    """
+    def __post_init__(self):
+        for flag, value, choices in (("--kl-estimator", self.kl_estimator, KL_ESTIMATORS),
+                                     ("--loss-type", self.loss_type, LOSS_TYPES),
+                                     ("--importance-level", self.importance_level, IMPORTANCE_LEVELS)):
+            _check_choice(flag, value, choices)
+        if self.eps_high is None:
+            object.__setattr__(self, "eps_high", self.eps)  # frozen: resolved once, here
+        eh, q, ml = self.eps_high, self.top_entropy_quantile, self.max_len
+        for flag, value, ok, want in (("--beta", self.beta, self.beta >= 0, ">= 0"),
+                                      ("--eps", self.eps, 0 <= self.eps < 1, "in [0, 1)"),
+                                      ("--entropy-coef", self.entropy_coef, math.isfinite(self.entropy_coef), "finite"),
+                                      ("--top-entropy-quantile", q, 0 < q <= 1, "in (0, 1]"),
+                                      ("--max-new-tokens", ml, ml is None or ml >= 1, ">= 1")):
+            if not ok:  # written so that NaN fails too
+                raise ValueError(f"{flag} {value} must be {want}")
+        if not eh >= self.eps:
+            raise ValueError(f"--eps-high {eh} < --eps {self.eps}: clip-higher needs eps_high >= eps")
+        if self.delta is not None and not self.delta > 1 + eh:
+            raise ValueError(f"--delta {self.delta} must be > 1 + eps_high = {1 + eh}")
+
+
+def grpo_loss(logp, old_logp, ref_logp, advantages, mask, obj, *, entropy=None, kl=None, behaviour_weights=None,
+              num_sequences=None, num_tokens=None):
+    """DeepSeekMath eq. 3 with obj's variants; per token, then aggregate(l, mask, obj.loss_type, ...):
+        l_t = -min(min(rho, delta) A, clip(rho, 1 - eps, 1 + eps_high) A) e_t w_t + beta KL_t - entropy_coef H_t
+    e_t (top_entropy_mask) and w_t (behaviour_weights, detached) scale the policy term only, as TRL.
+    logp (N, T) with grad; old_logp (N, T) or None (mu=1: logp.detach(), value A, gradient A grad logp);
+    ref_logp (N, T), read only if beta > 0 with a log-prob estimator; kl (N, T) (full_kl's, with grad) only with
+    kl_estimator="full"; advantages (N,) or (N, T); entropy (N, T), needed if entropy_coef != 0 (then with grad)
+    or top_entropy_quantile < 1. -> (loss 0-dim, metrics of detached 0-dim tensors over valid tokens: clip_low,
+    clip_high, clip (token-weighted at both levels), kl and kl_max if beta > 0, entropy if given, ratio_mean/min/max)"""
     if logp.dim() != 2:
         raise ValueError(f"logp must have shape (N, T), got {tuple(logp.shape)}")
     N, T = logp.shape
@@ -393,17 +305,15 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, beta=0.0, eps_low=0
     if advantages.shape not in ((N,), (N, T)):
         raise ValueError(f"advantages must have shape ({N},) or ({N}, {T}), got {tuple(advantages.shape)}")
     for name, x in (("old_logp", old_logp), ("entropy", entropy), ("kl", kl), ("behaviour_weights", behaviour_weights)):
-        if x is not None:
-            _check_shape(name, x, (N, T))
-    _check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
-    full = kl_estimator == "full"
+        _check_shape(name, x, (N, T))
+    full, beta = obj.kl_estimator == "full", obj.beta
     if kl is not None and not full:
-        raise ValueError(f"kl is read only with kl_estimator='full', got kl_estimator={kl_estimator!r}")
+        raise ValueError(f"kl is read only with kl_estimator='full', got kl_estimator={obj.kl_estimator!r}")
     if beta > 0 and full and kl is None:
         raise ValueError("kl_estimator='full' needs kl=full_kl(logits, ref_logits) from the log-prob pass")
     if beta > 0 and not full and ref_logp is None:
         raise ValueError("ref_logp is required when beta > 0 (or set beta=0 to train without a reference model)")
-    if entropy is None and (entropy_coef != 0 or top_entropy_quantile < 1):
+    if entropy is None and (obj.entropy_coef != 0 or obj.top_entropy_quantile < 1):
         raise ValueError("entropy is required when entropy_coef != 0 or top_entropy_quantile < 1")
 
     mask = mask.bool()
@@ -411,30 +321,29 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, *, beta=0.0, eps_low=0
     old_logp = logp.detach() if old_logp is None else old_logp
     adv = _up(advantages)
     adv = adv[:, None] if adv.dim() == 1 else torch.where(mask, adv, 0.0)  # (N, 1) or (N, T)
-    ratio = importance_ratio(logp, old_logp, mask, importance_level)  # (N, T)
-    per_token = -clipped_surrogate(ratio, adv, eps_low, eps_high, delta)  # (N, T)
-    if top_entropy_quantile < 1:
-        per_token = per_token * top_entropy_mask(entropy, mask, top_entropy_quantile)
+    ratio = importance_ratio(logp, old_logp, mask, obj.importance_level)  # (N, T)
+    per_token = -clipped_surrogate(ratio, adv, obj.eps, obj.eps_high, obj.delta)  # (N, T)
+    if obj.top_entropy_quantile < 1:
+        per_token = per_token * top_entropy_mask(entropy, mask, obj.top_entropy_quantile)
     if behaviour_weights is not None:
         per_token = per_token * torch.where(mask, _up(behaviour_weights.detach()), 0.0)
     if beta > 0:
         if not full:
             _check_shape("ref_logp", ref_logp, (N, T))
-            kl = kl_estimate(logp, torch.where(mask, _up(ref_logp), 0.0), kl_estimator)  # (N, T)
+            kl = kl_estimate(logp, torch.where(mask, _up(ref_logp), 0.0), obj.kl_estimator)  # (N, T)
         kl = torch.where(mask, _up(kl), 0.0)  # a caller's full KL may hold garbage at padding
         per_token = per_token + beta * kl
-    if entropy_coef != 0:
-        per_token = per_token - entropy_coef * torch.where(mask, _up(entropy), 0.0)
-    loss = aggregate(per_token, mask, loss_type, num_sequences, num_tokens, max_len)
+    if obj.entropy_coef != 0:
+        per_token = per_token - obj.entropy_coef * torch.where(mask, _up(entropy), 0.0)
+    loss = aggregate(per_token, mask, obj.loss_type, num_sequences, num_tokens, obj.max_len)
 
     # metrics: detached, no .item() (no device sync); an all-masked call gives 0, not NaN
     with torch.no_grad():
         n, any_valid = mask.sum().clamp(min=1), mask.any()
-        eps_high = eps_low if eps_high is None else eps_high
         mean = lambda x: torch.where(mask, x, 0).sum() / n
         vmax = lambda x: torch.where(any_valid, torch.where(mask, x, -torch.inf).amax(), 0.0)
-        low = (ratio < 1 - eps_low) & (adv < 0)  # (N, T)
-        high = (ratio > 1 + eps_high) & (adv > 0)  # (N, T)
+        low = (ratio < 1 - obj.eps) & (adv < 0)  # (N, T)
+        high = (ratio > 1 + obj.eps_high) & (adv > 0)  # (N, T)
         metrics = {"clip_low": mean(low.float()), "clip_high": mean(high.float()), "clip": mean((low | high).float())}
         if beta > 0:
             metrics["kl"], metrics["kl_max"] = mean(kl), vmax(kl)

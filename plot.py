@@ -1,29 +1,36 @@
 """
-Reward-vs-step curves from one or more train.py runs (matplotlib is an optional dependency).
+Curves from one or more train.py runs (matplotlib is an optional dependency).
 
     python plot.py out/arith_smollm2_cpu out/ablate_dr_grpo --out curves.png
-    python plot.py out/a/metrics.jsonl --key eval/strict_acc
+    python plot.py out/a/metrics.jsonl --key kl --out kl.pdf
 
-Each run is a train.py --out-dir (or its metrics.jsonl); its label is the directory name.
-The reward curve is smoothed with a running mean over --smooth steps; eval points are drawn as
-markers on a second panel when the runs logged any.
+Each run is a train.py --out-dir (or its metrics.jsonl); its label is the directory name. --key (the
+reward by default) is smoothed with a running mean over --smooth steps; --eval-key points are drawn as
+markers on a second panel when the runs logged evals. A line torn by a kill mid-write is skipped.
 """
 
 import argparse
-import json
 import os
 import sys
 
+from run import read_jsonl
+
 
 def read_metrics(path):
-    """metrics.jsonl -> (train rows, eval rows), each a list of dicts sorted by step."""
+    """A run dir or its metrics.jsonl -> its rows (dicts with a step), sorted by step; ValueError if none."""
     path = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"no metrics.jsonl at {path}; pass a train.py --out-dir")
-    rows = [json.loads(line) for line in open(path) if line.strip()]
-    train = sorted((r for r in rows if "reward" in r), key=lambda r: r["step"])
-    evals = sorted((r for r in rows if any(k.startswith("eval/") for k in r)), key=lambda r: r["step"])
-    return train, evals
+        raise ValueError(f"no metrics.jsonl at {path}; pass a train.py --out-dir")
+    rows = [r for r in read_jsonl(path) if isinstance(r.get("step"), int)]  # blank and torn lines skipped
+    if not rows:
+        raise ValueError(f"{path} has no metrics rows (empty, or the run has not logged a step); nothing plotted")
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def series(rows, key):
+    """(steps, values) of the rows that logged `key`; null (a non-finite value in the run) is left out."""
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return [s for s, _ in pts], [v for _, v in pts]
 
 
 def running_mean(values, window):
@@ -37,41 +44,55 @@ def running_mean(values, window):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="train.py out dirs or metrics.jsonl files")
-    p.add_argument("--key", default="reward", help="train metric to plot (e.g. reward/correct, kl)")
-    p.add_argument("--eval-key", default="eval/strict_acc")
+    p.add_argument("--key", default="reward", help="metric of the first panel (e.g. reward/correct, kl)")
+    p.add_argument("--eval-key", default=None, help="metric of the eval panel (default: eval/strict_acc if logged)")
     p.add_argument("--smooth", type=int, default=5, help="running-mean window in steps")
-    p.add_argument("--out", default="curves.png")
+    p.add_argument("--out", default="curves.png", help="the image; its extension picks the format (png, pdf, svg...)")
     p.add_argument("--title", default=None)
     args = p.parse_args()
+    if args.smooth < 1:
+        p.error(f"--smooth must be >= 1 (steps in the running mean; 1 = raw), got {args.smooth}")
     try:
         import matplotlib
         matplotlib.use("Agg")  # no display needed
         import matplotlib.pyplot as plt
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
     except ImportError:
         sys.exit("error: plotting needs matplotlib: pip install matplotlib")
+    formats = FigureCanvasAgg.get_supported_filetypes()  # what savefig can write, by extension
+    if os.path.splitext(args.out)[1][1:].lower() not in formats:
+        p.error(f"--out {args.out}: matplotlib writes only {' '.join('.' + f for f in sorted(formats))}")
+    labels = [os.path.basename(os.path.abspath(r if os.path.isdir(r) else os.path.dirname(r))) for r in args.runs]
+    labels = labels if len(set(labels)) == len(labels) else args.runs  # two runs named seed0: full paths
     try:
-        runs = {os.path.basename(os.path.normpath(r if os.path.isdir(r) else os.path.dirname(r))): read_metrics(r)
-                for r in args.runs}
-    except FileNotFoundError as e:
+        runs = {label: read_metrics(r) for label, r in zip(labels, args.runs)}
+    except ValueError as e:
         sys.exit(f"error: {e}")
-    has_eval = any(ev for _, ev in runs.values())
-    fig, axes = plt.subplots(1, 2 if has_eval else 1, figsize=(11 if has_eval else 6, 4), squeeze=False)
-    for name, (train, evals) in runs.items():
-        kept = [r for r in train if r.get(args.key) is not None]  # null: a non-finite value in the run
-        line, = axes[0][0].plot([r["step"] for r in kept], running_mean([r[args.key] for r in kept], args.smooth),
-                                label=name)
-        if has_eval:
-            pts = [(r["step"], r[args.eval_key]) for r in evals if r.get(args.eval_key) is not None]
-            axes[0][1].plot(*zip(*pts), marker="o", color=line.get_color(), label=name) if pts else None
+    have = sorted({k for rows in runs.values() for r in rows for k, v in r.items()
+                   if k != "step" and isinstance(v, (int, float))})
+    eval_key = args.eval_key or ("eval/strict_acc" if "eval/strict_acc" in have else None)
+    for flag, key in (("--key", args.key), ("--eval-key", eval_key)):
+        if key is not None and key not in have:
+            sys.exit(f"error: {flag} {key}: no run logged it; the runs have {', '.join(have) or 'no metric'}")
+    fig, axes = plt.subplots(1, 2 if eval_key else 1, figsize=(11 if eval_key else 6, 4), squeeze=False)
+    for name, rows in runs.items():
+        steps, values = series(rows, args.key)
+        line, = axes[0][0].plot(steps, running_mean(values, args.smooth), label=name)
+        if eval_key and series(rows, eval_key)[0]:
+            axes[0][1].plot(*series(rows, eval_key), marker="o", color=line.get_color(), label=name)
     axes[0][0].set(xlabel="step", ylabel=f"{args.key} (running mean, {args.smooth} steps)")
-    if has_eval:
-        axes[0][1].set(xlabel="step", ylabel=f"{args.eval_key} (held-out)", ylim=(0, 1))
+    if eval_key:
+        axes[0][1].set(xlabel="step", ylabel=f"{eval_key} (held-out)")
     for ax in axes[0]:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle(args.title or ", ".join(runs))
     fig.tight_layout()
-    fig.savefig(args.out, dpi=110)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        fig.savefig(args.out, dpi=110)
+    except OSError as e:
+        sys.exit(f"error: --out {args.out} cannot be written ({e.strerror or e}); pass another path")
     print(f"wrote {args.out}")
 
 

@@ -1,27 +1,14 @@
 r"""
-Scoring completions: answer extraction, reward functions, and their weighted sum.
-
-Every reward function has one signature:
-
-    fn(completions: list[str], **fields) -> list[float]
-
-`fields` are per-completion lists aligned with `completions` (the train loop repeats each
-example's fields G times), e.g. `answer=[...]`, `prompt=[...]`, `num_tokens=[...]`.
-A function takes the fields it needs by name and ignores the rest (`**_`).
-
-Answer extraction follows the two references people compare against:
-- strict: lm-evaluation-harness gsm8k "strict-match", regex `#### (\-?[0-9\.\,]+)`, first match
-  (github.com/EleutherAI/lm-evaluation-harness/blob/main/lm_eval/tasks/gsm8k/gsm8k.yaml)
-- boxed: Qwen2.5-Math's last `\\boxed{...}`, nested braces found by counting
-  (github.com/QwenLM/Qwen2.5-Math/blob/main/evaluation/parser.py)
-- flexible: the last number in the text, like lm-eval's "flexible-extract".
+Scoring: answer extraction, reward fns `fn(completions, **fields) -> list[float]` (one finite number per
+completion; fields are per-completion lists, e.g. answer=[...], num_tokens=[...], taken by name, `**_` the rest)
+and their weighted sum. Extraction as lm-eval-harness gsm8k strict-match (lm_eval/tasks/gsm8k/gsm8k.yaml) and
+flexible-extract, and Qwen2.5-Math's last `\\boxed{...}` (QwenLM/Qwen2.5-Math evaluation/parser.py).
 """
 
 import math
+import numbers
 import re
 from fractions import Fraction
-
-import torch
 
 # lm-eval-harness strict-match, verbatim: a space after ####, no `$`
 STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
@@ -33,44 +20,34 @@ FRAC_RE = re.compile(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}")
 # answer extraction
 
 def extract_gold(solution_text):
-    """Gold answer from a GSM8K solution: the text after the last `####`, commas stripped.
-
+    """Gold answer of a GSM8K solution: the text after the last `####`, commas stripped.
     >>> extract_gold("2 + 3 = <<2+3=5>>5 so ...\\n#### 1,005")
     '1005'
     """
-    if "####" not in solution_text:
-        raise ValueError(f"no '#### <answer>' line in solution: {solution_text[-80:]!r}")
-    gold = solution_text.rsplit("####", 1)[1].strip().replace(",", "")
+    gold = solution_text.rsplit("####", 1)[1].strip().replace(",", "") if "####" in solution_text else None
     if not gold:
-        raise ValueError(f"nothing after '####' in solution: {solution_text[-80:]!r}")
+        what = "no '#### <answer>' line" if gold is None else "nothing after '####'"
+        raise ValueError(f"{what} in solution: {solution_text[-80:]!r}")
     return gold
 
 
 def extract_strict(text):
-    """The number on the first `#### N` line, or None.
-
-    First match, as lm-eval-harness strict-match does. That is also what a researcher wants
-    when a model runs on after answering (writes a made-up next question with its own
-    `#### N`): the first `####` answers the question that was asked.
-
+    """The number on the first `#### N` line, or None (a model that runs on answered with its first).
     >>> extract_strict("5 + 3 = 8\\n#### 8\\nQuestion: ...\\n#### 2")
     '8'
     """
-    m = STRICT_RE.search(text)
-    return m.group(1) if m else None
+    return m.group(1) if (m := STRICT_RE.search(text)) else None
 
 
 def extract_boxed(text):
     """Contents of the last `\\boxed{...}` (nested braces allowed), or None if absent/unclosed.
-
     >>> extract_boxed(r"so \\boxed{\\frac{3}{4}}.")
     '\\\\frac{3}{4}'
     """
     start = text.rfind("\\boxed{")
     if start < 0:
         return None
-    i = start + len("\\boxed{")
-    depth = 1
+    i, depth = start + len("\\boxed{"), 1
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
@@ -80,24 +57,20 @@ def extract_boxed(text):
 
 def extract_flexible(text):
     """The last number in the text (commas and `$` kept; answers_match strips them), or None.
-
     >>> extract_flexible("She pays $1,200.50 in total.")
     '$1,200.50'
     """
-    found = NUMBER_RE.findall(text)
-    return found[-1] if found else None
+    return (NUMBER_RE.findall(text) or [None])[-1]
 
 
 def extract_answer(text):
     """The final answer line used for correctness: strict `#### N`, else the last `\\boxed{}`."""
-    strict = extract_strict(text)
-    return strict if strict is not None else extract_boxed(text)
+    return strict if (strict := extract_strict(text)) is not None else extract_boxed(text)
 
 
 def has_final_answer(text):
-    """True if the text has the required final-answer line (strict `#### N` or `\\boxed{}`) with a digit in it."""
-    pred = extract_answer(text)
-    return pred is not None and any(ch.isdigit() for ch in pred)
+    """True if the final-answer line (`#### N` or `\\boxed{}`) is there with a digit in it."""
+    return any(ch.isdigit() for ch in extract_answer(text) or "")
 
 
 def _normalise(s):
@@ -108,17 +81,12 @@ def _normalise(s):
 
 
 def answers_match(pred, gold):
-    """True if pred equals gold as a number (or, if either is not a number, as a string).
-
-    Ignores `$`, commas, spaces, a trailing `.`; `72.0 == 72`; simple fractions `3/4` and
-    `\\frac{3}{4}` compare as numbers. A None or empty prediction never matches.
-
+    """True if pred equals gold as a number (`$`, commas, spaces, a trailing `.` ignored; `3/4` and
+    `\\frac{3}{4}` are numbers), else as a string. A None or empty prediction never matches.
     >>> answers_match("$1,000.", "1000"), answers_match("72.0", "72"), answers_match(None, "1")
     (True, True, False)
     """
-    if pred is None or gold is None:
-        return False
-    p, g = _normalise(str(pred)), _normalise(str(gold))
+    p, g = ("" if x is None else _normalise(str(x)) for x in (pred, gold))
     if not p or not g:
         return False
     try:
@@ -139,168 +107,82 @@ def format_reward(completions, **_):
     return [float(has_final_answer(c)) for c in completions]
 
 
-def length_reward(target):
-    """A reward fn giving `-|target - length|`, the length reward of the seed write-ups.
-
-    Length is in tokens when the train loop passes `num_tokens=[...]`, else in characters
-    of the completion text; pick `target` in the same unit.
-    """
-    def length(completions, num_tokens=None, **_):
-        lengths = num_tokens if num_tokens is not None else [len(c) for c in completions]
-        return [-abs(float(target) - float(n)) for n in lengths]
-    return length
-
-
 def overlong_reward(max_len, buffer):
-    """A reward fn for DAPO's soft overlong punishment (Yu et al. 2025, arXiv 2503.14476, eq. 13):
-
-        R(y) = 0                             if |y| <= L_max - L_cache
-             = (L_max - L_cache - |y|) / L_cache   if L_max - L_cache < |y| <= L_max
-             = -1                            if |y| > L_max
-
-    with L_max = max_len, L_cache = buffer and |y| = num_tokens: the completion's generated tokens,
-    its stop token included (what the train loop passes). DAPO sets L_max to the generation limit,
-    so a truncated completion gets -1; a smaller max_len punishes before the limit is reached.
-
+    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13) as a reward fn: with L = max_len, B = buffer,
+    |y| = num_tokens (stop token included), R = 0 if |y| <= L - B, (L - B - |y|) / B if |y| <= L, else -1.
     >>> overlong_reward(48, 16)(["a"] * 4, num_tokens=[32, 33, 40, 49])
     [0.0, -0.0625, -0.5, -1.0]
     """
     if max_len < 1 or not 0 < buffer <= max_len:
-        raise ValueError(f"overlong reward needs max_len >= 1 and 0 < buffer <= max_len, "
-                         f"got max_len={max_len}, buffer={buffer}")
+        raise ValueError(f"overlong reward needs max_len >= 1 and 0 < buffer <= max_len, got {max_len=}, {buffer=}")
 
-    def overlong(completions, num_tokens=None, **_):
-        if num_tokens is None:
-            raise ValueError("overlong reward needs num_tokens=[...], the generated tokens of each completion")
+    def overlong(completions, num_tokens, **_):
         return [0.0 if n <= max_len - buffer else -1.0 if n > max_len else (max_len - buffer - n) / buffer
                 for n in map(float, num_tokens)]
     return overlong
-
-
-def reward_model_reward(model, tokenizer, batch_size=16, device=None):
-    """Turn an `AutoModelForSequenceClassification` (num_labels=1) into a reward fn.
-
-    The returned fn(completions, prompt, **_) scores `prompt + completion`; when `prompt` is a
-    list of chat messages and the tokenizer has a chat template, the completion is added as the
-    assistant turn and the template is applied. Scored in no_grad batches of `batch_size`.
-    Texts are not truncated: keep them within the model's context length.
-
-    Padding never changes a score: we pad on the right (the causal model cannot see it) with
-    the model's own `pad_token_id`, which is what its last-token pooling looks for. If the
-    model has none, it is set to the tokenizer's pad token, else its eos token.
-    """
-    if model.config.num_labels != 1:
-        raise ValueError(f"reward model must have num_labels=1 (one score), got {model.config.num_labels}")
-    text_config = model.config.get_text_config()
-    if text_config.pad_token_id is None:
-        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if pad_id is None:
-            raise ValueError("tokenizer has neither a pad nor an eos token; set tokenizer.pad_token first")
-        text_config.pad_token_id = pad_id  # needed by the model's pooling for batches > 1
-    pad_id = text_config.pad_token_id
-    device = device or next(model.parameters()).device
-    model.eval()  # no dropout in a judge
-
-    def encode(prompt, completion):
-        if isinstance(prompt, (list, tuple)) and getattr(tokenizer, "chat_template", None):
-            msgs = list(prompt) + [{"role": "assistant", "content": completion}]
-            text = tokenizer.apply_chat_template(msgs, tokenize=False)
-            return tokenizer(text, add_special_tokens=False)["input_ids"]  # template adds bos itself
-        if not isinstance(prompt, str):
-            raise ValueError("prompt must be a string, or chat messages with a tokenizer that has a chat template")
-        return tokenizer(prompt + completion)["input_ids"]
-
-    @torch.no_grad()
-    def reward_model(completions, prompt, **_):
-        ids = [encode(p, c) for p, c in zip(prompt, completions)]
-        scores = []
-        for i in range(0, len(ids), batch_size):
-            chunk = ids[i:i + batch_size]
-            T = max(len(x) for x in chunk)
-            input_ids = torch.tensor([x + [pad_id] * (T - len(x)) for x in chunk], device=device)  # (B, T)
-            mask = torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x in chunk], device=device)  # (B, T)
-            logits = model(input_ids=input_ids, attention_mask=mask).logits  # (B, 1)
-            scores += logits[:, 0].float().tolist()
-        return scores
-    return reward_model
 
 # -----------------------------------------------------------------------------
 # combining
 
 class RewardError(ValueError):
-    """A reward fn failed or gave a bad value; the one-line message names the fn and the completion."""
+    """A reward fn failed or broke the contract; the one-line message names the fn and what is wrong."""
 
 
-def _show(text, width=60):
-    """A completion for a one-line message: repr keeps newlines escaped, long text is cut."""
+def _show(text, width=60):  # a completion in a one-line message: repr escapes newlines, long text is cut
     return repr(text[:width]) + ("..." if len(text) > width else "")
 
 
-def _first_failure(fn, completions, fields):
-    """(index, exception) of the first completion fn raises on when called on it alone, else None."""
-    n = len(completions)
-    for i in range(n):
-        one = {k: v[i:i + 1] if isinstance(v, (list, tuple)) and len(v) == n else v for k, v in fields.items()}
+def _blame(fn, completions, fields, error):
+    """(where, exception): the first completion fn raises on when called on it alone, else the whole batch."""
+    for i in range(len(completions)):
         try:
-            fn(completions[i:i + 1], **one)
+            fn([completions[i]], **{k: v[i:i + 1] if isinstance(v, (list, tuple)) else v for k, v in fields.items()})
         except Exception as e:
-            return i, e
-    return None
+            return f"completion {i} {_show(completions[i])}", e
+    return f"the batch of {len(completions)}", error
+
+
+def _number(v):
+    """v as a finite float, or None: real numbers only (a str, a list, a complex is no reward)."""
+    v = v.item() if getattr(v, "ndim", None) == 0 and hasattr(v, "item") else v  # numpy / 0-dim tensor scalars
+    return float(v) if isinstance(v, numbers.Real) and math.isfinite(v) else None
 
 
 def combine_rewards(reward_fns, weights, completions, **fields):
-    """Weighted sum of reward fns: total[i] = sum_k weights[k] * reward_fns[k](completions, **fields)[i].
-
-    Every fn needs a weight (0.0 logs it without training on it). Returns
-    (total, per_fn) with per_fn[name] the fn's own values, for logging.
-    A fn that raises, or returns the wrong count or a value that is not a finite number, is a
-    RewardError naming the fn and the first completion at fault: a nan would train silently.
-    """
-    unknown = sorted(set(weights) - set(reward_fns))
-    if unknown:
-        raise ValueError(f"unknown reward name(s) {unknown} in weights; valid names: {sorted(reward_fns)}")
-    missing = sorted(set(reward_fns) - set(weights))
-    if missing:
-        raise ValueError(f"no weight for reward(s) {missing}; give each a weight (0 to only log it)")
+    """total[i] = sum_k weights[k] * reward_fns[k](completions, **fields)[i] -> (total, per_fn: each fn's values).
+    Every fn needs a weight (0.0 only logs it). A fn that raises, or returns anything but a list/tuple (or 1-D
+    tensor/array) of N finite real numbers, is a RewardError naming it: a nan, a dict's keys, a str's
+    characters would otherwise train silently."""
+    if set(weights) != set(reward_fns):
+        raise ValueError(f"weights for {sorted(weights)}, reward fns {sorted(reward_fns)}; "
+                         "give each fn one weight (0.0 only logs it)")
     for name, w in weights.items():
-        try:
-            ok = math.isfinite(float(w))
-        except (TypeError, ValueError):
-            ok = False
-        if not ok:
+        if _number(w) is None:
             raise RewardError(f"weight {name}={w!r} is not a finite number; give reward {name!r} a weight like 1.0")
     n = len(completions)
     for key, values in fields.items():
         if isinstance(values, (list, tuple)) and len(values) != n:
-            raise ValueError(f"field {key!r} has {len(values)} values for {n} completions; "
-                             "repeat each example's fields once per completion")
-    total = [0.0] * n
-    per_fn = {}
+            raise ValueError(f"field {key!r} has {len(values)} values for {n} completions; give one per completion")
+    total, per_fn = [0.0] * n, {}
     for name, fn in reward_fns.items():
+        bad = lambda what: RewardError(f"reward {name!r} {what}; return a list of {n} numbers")  # noqa: E731
         try:
             raw = fn(completions, **fields)
         except Exception as e:
-            i, e = _first_failure(fn, completions, fields) or (None, e)
-            where = f"completion {i} {_show(completions[i])}" if i is not None else f"the batch of {n}"
+            where, e = _blame(fn, completions, fields, e)
             msg = " ".join(f"{type(e).__name__}: {e}".split())[:200]  # one line, however the fn words it
             raise RewardError(f"reward {name!r} raised {msg} on {where}; fix the function or its weight") from e
-        try:
-            raw = list(raw)
-        except TypeError:
-            raise RewardError(f"reward {name!r} returned a {type(raw).__name__}, not a list; "
-                              "return one value per completion") from None
+        if getattr(raw, "ndim", None) == 1 and hasattr(raw, "tolist"):  # a 1-D torch tensor or numpy array
+            raw = raw.tolist()
+        if not isinstance(raw, (list, tuple)):
+            raise bad(f"returned a {type(raw).__name__}, not a list of numbers")
         if len(raw) != n:
-            raise RewardError(f"reward {name!r} returned {len(raw)} values for {n} completions; "
-                              "return one per completion")
-        values = []
-        for i, v in enumerate(raw):
-            try:
-                values.append(float(v))
-            except (TypeError, ValueError):
-                values.append(math.nan)
-            if not math.isfinite(values[-1]):
-                raise RewardError(f"reward {name!r} gave {v!r:.40} for completion {i} {_show(completions[i])}; "
-                                  "return a finite number for every completion")
+            raise bad(f"returned {len(raw)} values for {n} completions")
+        values = [_number(v) for v in raw]
+        if None in values:
+            i = values.index(None)
+            raise bad(f"gave {raw[i]!r:.40} ({type(raw[i]).__name__}) for completion {i} {_show(completions[i])}, "
+                      "not a finite number")
         per_fn[name] = values
         total = [t + float(weights[name]) * v for t, v in zip(total, values)]
     return total, per_fn

@@ -83,8 +83,8 @@ def test_training_path_matches_naive(micro, share, logprobs):
             ref_logp = logprobs(ref, ids, mask, c, temp, group_size=g)[0]
         # chunks smaller than a row; share: lean runs each prompt once per micro-batch (plain: a hint it ignores)
         logp, _, _ = logprobs(policy, ids, mask, c, temp, chunk_size=5, group_size=g)
-        loss, _ = grpo.grpo_loss(logp, None, ref_logp, adv[rows], r.completion_mask[rows, :c], beta=beta,
-                                 eps_low=eps, num_sequences=N, loss_type="grpo")
+        loss, _ = grpo.grpo_loss(logp, None, ref_logp, adv[rows], r.completion_mask[rows, :c],
+                                 grpo.Objective(beta=beta, eps=eps, loss_type="grpo"), num_sequences=N)
         loss.backward()
         total += loss.item()
 

@@ -2,16 +2,23 @@
 
 A usage mistake ends in argparse's one-line `error:` and exit code 2, before the model loads where the
 mistake is in the flags alone; a run that fails on the way (a reward fn that raises, a full disk) ends
-in one `error:` line and exit code 1. Never a traceback. Most cases run in this process (tests/toy.py's
-run_script: SystemExit); a few run in a fresh interpreter to see the real exit code and stderr.
+in one `error:` line and exit code 1; an interrupted run (Ctrl-C, SIGTERM) in one line that says how to
+resume, exit code 130 (143 for SIGTERM). Never a traceback. A run owns its --out-dir (run.json marks it)
+and nothing else: no failure or --overwrite touches a file a run did not write. Most cases run in this
+process (tests/toy.py's run_script: SystemExit); a few run in a fresh interpreter to see the real exit
+code and stderr.
 """
 
 import errno
 import json
 import math
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -20,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import toy  # noqa: E402
 from toy import EVAL, REPO, TOY_TRAIN, TRAIN, read_metrics, run_script, subprocess_env, train_args  # noqa: E402
 
+import grpo  # noqa: E402
 import models  # noqa: E402
 import tasks  # noqa: E402
 
@@ -57,26 +65,53 @@ def without(argv, *flags):
     return argv
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
-    """A flag checked 'before anything loads' must never reach the model: loading fails the test."""
+def forbid_model_load(monkeypatch):
     def forbidden(*a, **k):
         raise AssertionError("the model was loaded before the flags were checked")
     monkeypatch.setattr(models, "load_model", forbidden)
     monkeypatch.setattr(models, "load_tokenizer", forbidden)
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """A flag checked 'before anything loads' must never reach the model: loading fails the test."""
+    forbid_model_load(monkeypatch)
+
+
+def files(root, skip=(".lock",)):
+    """{path relative to root: bytes} of every file under root (the run's lock file aside)."""
+    found = {}
+    for d, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(d, name)
+            if os.path.relpath(path, root) not in skip:
+                with open(path, "rb") as f:
+                    found[os.path.relpath(path, root)] = f.read()
+    return found
+
+
+def leftovers(out):
+    """Temp files and folders a write in progress leaves: *.tmp, .hf.* (export_hf's temp folder)."""
+    return sorted(os.path.relpath(os.path.join(d, n), out) for d, dirs, names in os.walk(out)
+                  for n in dirs + names if n.endswith(".tmp") or n.startswith(".hf."))
+
+
+def ckpt_step(out):
+    return torch.load(os.path.join(out, "ckpt.pt"), map_location="cpu", weights_only=False)["step"]
+
+
+def mentions(line, value, out):
+    """`value` appears in line as a word of its own, out-dir paths aside (a tmp path may hold digits)."""
+    return re.search(rf"(?<![\w.-]){re.escape(str(value))}(?!\w|\.\d)", line.replace(str(out), "")) is not None
 
 # -----------------------------------------------------------------------------
 # numeric flags: type and range, before the model loads
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("--top-p", 0, "--top-p must be (0, 1], got 0.0"),
-    ("--top-p", 1.5, "--top-p must be (0, 1], got 1.5"),
     ("--temperature", 0, "--temperature must be > 0, got 0.0"),
     ("--temperature", -1, "--temperature must be > 0, got -1.0"),
-    ("--top-k", -1, "--top-k must be >= 0, got -1"),
     ("--eps", -0.1, "--eps must be [0, 1), got -0.1"),
-    ("--warmup-steps", -1, "--warmup-steps must be >= 0, got -1"),
     ("--beta", -1, "--beta must be >= 0, got -1.0"),
     ("--eval-n", -1, "--eval-n must be >= 0, got -1"),
     ("--lr", 0, "--lr must be > 0, got 0.0"),
@@ -90,10 +125,7 @@ def no_model_load(monkeypatch):
     ("--group-size", 1, "--group-size must be >= 2, got 1"),
     ("--mu", 0, "--mu must be >= 1, got 0"),
     ("--steps", 0, "--steps must be >= 1, got 0"),
-    ("--is-cap", 0, "--is-cap must be > 0, got 0.0"),
-    ("--max-resample", -1, "--max-resample must be >= 0, got -1"),
     ("--overlong-buffer", -1, "--overlong-buffer must be >= 0, got -1"),
-    ("--max-prompt-tokens", 0, "--max-prompt-tokens must be >= 1, got 0"),
     ("--delta", 1.1, "--delta 1.1 must be > 1 + eps_high = 1.2"),
     ("--lr", "fast", "argument --lr: invalid float value: 'fast'"),
 ], ids=lambda x: str(x))
@@ -112,17 +144,71 @@ def test_bad_flag_is_refused_before_the_model_loads(model_dir, tmp_path, capsys,
     ("lr = 1e999", "--lr must be a finite number, got inf"),
     ("mask_truncated = 1", "--mask-truncated must be True or False, got 1"),
     ("steps = True", "--steps must be an integer, got True"),
-    ("top_p = 0", "--top-p must be (0, 1], got 0"),
+    ("steps = 0", "--steps must be >= 1, got 0"),
 ], ids=["lr-None", "group_size-float", "temperature-str", "nan-call", "inf", "bool-int", "int-bool", "range"])
 def test_config_value_of_the_wrong_type_is_refused(model_dir, tmp_path, capsys, no_model_load, line, message):
     """Config values reach argparse as defaults: a string is converted as on the command line, anything else
-    is not, so cli.check must see the type as well as the range."""
+    is not, so the check must see the type as well as the range."""
     cfg = tmp_path / "cfg.py"
     cfg.write_text(line + "\n")
     flag = "--" + line.split("=")[0].strip().replace("_", "-")
     code, err = script_error(TRAIN, ["--config", cfg, *without(train_args(model_dir, str(tmp_path / "o")), flag)],
                              capsys)
     assert_one_line(code, err, 2, message)
+
+
+# config-only keys (no flag): a bad value names the key as the user wrote it, and what was wrong with it
+CONFIG_ONLY = [
+    ("top_p", 0, ["top_p", "0"]),
+    ("top_p", 1.5, ["top_p", "1.5"]),
+    ("top_p", "high", ["top_p", "high"]),
+    ("is_cap", 0, ["is_cap", "0"]),
+    ("warmup_steps", -1, ["warmup_steps", "-1"]),
+    ("weight_decay", -0.1, ["weight_decay", "-0.1"]),
+    ("grad_clip", None, ["grad_clip", "None"]),
+    ("grad_clip", -1, ["grad_clip", "-1"]),
+    ("max_resample", -1, ["max_resample", "-1"]),
+    ("ref_sync_every", 1.5, ["ref_sync_every", "1.5"]),
+    ("save_every", -1, ["save_every", "-1"]),
+    ("save_every", True, ["save_every", "True"]),
+    ("log_completions", 0.5, ["log_completions", "0.5"]),
+    ("lr_schedule", "linear", ["lr_schedule", "linear", "cosine"]),  # the choices are what to do
+    ("export", "zip", ["export", "zip", "adapter"]),
+    ("export", "adapter", ["adapter", "--lora-rank"]),  # an adapter needs adapters
+    ("lr_scheule", "cosine", ["lr_scheule"]),  # a typo: unknown key
+    ("top_k", 5, ["top_k"]),  # a removed flag is no key either
+]
+
+
+@pytest.mark.parametrize("source", ["file", "inline"])
+@pytest.mark.parametrize("key, value, fragments", CONFIG_ONLY, ids=lambda x: str(x))
+def test_bad_config_only_value_is_one_line_before_the_model_loads(model_dir, tmp_path, capsys, no_model_load, source,
+                                                                  key, value, fragments):
+    """`--config key=value` reads value as a Python literal, else as a plain string: `top_p=high` is 'high'."""
+    cfg = tmp_path / "cfg.py"
+    cfg.write_text(f"{key} = {value!r}\n")
+    spec = cfg if source == "file" else f"{key}={value}"
+    out = tmp_path / "out"
+    code, line = script_error(TRAIN, train_args(model_dir, str(out)) + ["--config", spec], capsys)
+    assert_one_line(code, line, 2, *fragments)
+    assert not out.exists() or not os.listdir(out)  # refused before the run took the directory
+
+
+@pytest.mark.parametrize("spec, fragment", [("save_every", "save_every"), ("=3", "=3")], ids=["no-value", "no-key"])
+def test_malformed_inline_config_is_one_line(model_dir, tmp_path, capsys, no_model_load, spec, fragment):
+    code, line = script_error(TRAIN, train_args(model_dir, str(tmp_path)) + ["--config", spec], capsys)
+    assert_one_line(code, line, 2, fragment)
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--lean", "on"), ("--ref-model", "x"), ("--ref-device", "cpu"), ("--top-k", 5), ("--max-prompt-tokens", 8),
+    ("--ref-sync-alpha", 0.5), ("--lora-alpha", 8), ("--lora-dropout", 0.1), ("--lora-targets", "q_proj"),
+    ("--overlong-weight", 2), ("--top-p", 0.9), ("--save-every", 1), ("--log-completions", 1),
+    ("--lr-schedule", "cosine"), ("--export", "none"), ("--warmup-steps", 2),
+], ids=lambda x: str(x))
+def test_removed_and_config_only_flags_are_not_flags(model_dir, tmp_path, capsys, no_model_load, flag, value):
+    code, line = script_error(TRAIN, train_args(model_dir, str(tmp_path), flag, value), capsys)
+    assert_one_line(code, line, 2, flag)
 
 
 def test_resume_named_in_a_config_file_is_honoured(model_dir, tmp_path):
@@ -133,7 +219,7 @@ def test_resume_named_in_a_config_file_is_honoured(model_dir, tmp_path):
     g = run_script(TRAIN, ["--config", cfg])  # every other flag comes from the checkpoint
     assert g["start_step"] == 2 and g["args"].out_dir == out
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 3
+    assert ckpt_step(out) == 3
 
 # -----------------------------------------------------------------------------
 # rewards: weights on the command line, reward functions that fail
@@ -161,21 +247,39 @@ def failing_on_step_2(kind):
     return broken
 
 
-@pytest.mark.parametrize("kind, message", [
-    ("raises", "reward 'broken' raised ZeroDivisionError: division by zero on completion 0"),
-    ("nan", "reward 'broken' gave nan for completion 0"),
-    ("count", "reward 'broken' returned 7 values for 8 completions"),
+def with_reward(monkeypatch, name, fn):
+    """Register task `toy_<name>`: the toy task plus reward fn `name` (weight 1) -> its --task value."""
+    monkeypatch.setitem(tasks.TASKS, f"toy_{name}", toy.TASK._replace(
+        reward_fns={**toy.TASK.reward_fns, name: fn}, reward_weights={**toy.TASK.reward_weights, name: 1.0}))
+    return f"toy_{name}"
+
+
+@pytest.mark.parametrize("kind, fragments", [
+    ("raises", ["reward 'broken' raised ZeroDivisionError: division by zero on completion 0"]),
+    ("nan", ["reward 'broken' gave nan", "completion 0"]),
+    ("count", ["reward 'broken' returned 7 values for 8 completions"]),
 ])
-def test_reward_fn_that_fails_names_itself_and_exits_1(model_dir, tmp_path, capsys, monkeypatch, kind, message):
-    fns = {**toy.TASK.reward_fns, "broken": failing_on_step_2(kind)}
-    monkeypatch.setitem(tasks.TASKS, "toy_broken", toy.TASK._replace(
-        reward_fns=fns, reward_weights={**toy.TASK.reward_weights, "broken": 1.0}))
-    argv = without(train_args(model_dir, str(tmp_path), steps=3), "--task") + ["--task", "toy_broken"]
+def test_reward_fn_that_fails_names_itself_and_exits_1(model_dir, tmp_path, capsys, monkeypatch, kind, fragments):
+    task = with_reward(monkeypatch, "broken", failing_on_step_2(kind))
+    argv = without(train_args(model_dir, str(tmp_path), steps=3), "--task") + ["--task", task]
     code, line = script_error(TRAIN, argv, capsys)
-    assert_one_line(code, line, 1, f"error: step 2: {message}")
+    assert_one_line(code, line, 1, "error: step 2: ", *fragments)
     with open(tmp_path / "metrics.jsonl") as f:  # step 1 was logged, and the file is JSON to the last byte
         rows = [json.loads(x, parse_constant=lambda c: pytest.fail(f"bare {c} in metrics.jsonl")) for x in f]
     assert [r["step"] for r in rows] == [1]
+
+
+@pytest.mark.parametrize("make", [
+    lambda n: {0: 1.0, 1: 1.0},
+    lambda n: "11",
+    lambda n: {i: 1.0 for i in range(n)},  # as many keys as completions: iterating it would give 0..n-1
+    lambda n: "1" * n,  # as many characters as completions: iterating it would give n floats of 1.0
+], ids=["dict", "str", "dict-of-n", "str-of-n"])
+def test_reward_fn_that_returns_no_list_names_itself_and_exits_1(model_dir, tmp_path, capsys, monkeypatch, make):
+    task = with_reward(monkeypatch, "weird", lambda completions, **_: make(len(completions)))
+    argv = without(train_args(model_dir, str(tmp_path), steps=1), "--task") + ["--task", task]
+    code, line = script_error(TRAIN, argv, capsys)
+    assert_one_line(code, line, 1, "'weird'")
 
 # -----------------------------------------------------------------------------
 # data
@@ -206,19 +310,10 @@ def test_bad_gsm8k_file_is_one_line(model_dir, tmp_path, capsys, content, messag
 
 
 def corrupt_weights(model_dir, tmp_path):
-    import shutil
     bad = tmp_path / "corrupt"
     shutil.copytree(model_dir, bad)
     (bad / "model.safetensors").write_bytes(b"\x00garbage, not safetensors" * 100)
     return str(bad)
-
-
-def gpt2_folder(model_dir, tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
-    path = tmp_path / "gpt2"
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=len(toy.VOCAB))).save_pretrained(path)
-    toy.make_tokenizer().save_pretrained(path)
-    return str(path)
 
 
 def fake_gguf(model_dir, tmp_path):
@@ -226,35 +321,32 @@ def fake_gguf(model_dir, tmp_path):
     return str(tmp_path / "x.gguf")
 
 
-@pytest.mark.parametrize("make, extra, message", [
-    (corrupt_weights, [], "could not load model '{model}'"),
-    (fake_gguf, [], "cannot read {model} as a GGUF model"),
-    (lambda d, t: str(t / "no" / "such" / "model"), [], "could not load model '{model}'"),
-    (gpt2_folder, ["--lean", "on"], "--lean on: lean cannot reproduce this model (GPT2LMHeadModel"),
-    (lambda d, t: d, ["--max-new-tokens", 600], "--max-new-tokens 600 + prompt -88 exceed the model's context of 512"),
-    (lambda d, t: d, ["--max-prompt-tokens", 501], "--max-new-tokens 12 + prompt 501 exceed the model's context"),
-], ids=["corrupt-safetensors", "not-gguf", "missing", "lean-on-gpt2", "max-new-tokens>context",
-        "prompt+new>context"])
-def test_bad_model_is_one_line(model_dir, tmp_path, capsys, monkeypatch, make, extra, message):
+@pytest.mark.parametrize("make, extra, fragments", [
+    (corrupt_weights, [], ["could not load model '{model}'"]),
+    (fake_gguf, [], ["cannot read {model} as a GGUF model"]),
+    (lambda d, t: str(t / "no" / "such" / "model"), [], ["could not load model '{model}'"]),
+    (lambda d, t: d, ["--max-new-tokens", 600], ["--max-new-tokens 600", "512"]),  # the model's context
+], ids=["corrupt-safetensors", "not-gguf", "missing", "max-new-tokens>context"])
+def test_bad_model_is_one_line(model_dir, tmp_path, capsys, monkeypatch, make, extra, fragments):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(models, "CACHE_DIR", str(tmp_path / "cache"))  # a GGUF conversion would land here
     model = make(model_dir, tmp_path)
     argv = without(train_args(model, str(tmp_path / "out"), steps=1), *extra[::2]) + extra
     code, line = script_error(TRAIN, argv, capsys)
-    assert_one_line(code, line, 2, message.format(model=model))
+    assert_one_line(code, line, 2, *(f.format(model=model) for f in fragments))
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 # -----------------------------------------------------------------------------
-# flags that need a package, a task feature or a device
+# flags that need a package or a task feature
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--supervision", "process"], "--supervision process needs per-step rewards; task toy has none"),
-    (["--overlong-buffer", 13], "--overlong-buffer 13 must be <= --max-new-tokens 12"),
+@pytest.mark.parametrize("extra, fragments", [
+    (["--supervision", "process"], ["--supervision process needs per-step rewards; task toy has none"]),
+    (["--overlong-buffer", 13], ["--overlong-buffer", "<= --max-new-tokens 12"]),
 ], ids=["process-without-step-rewards", "overlong-buffer>max-new"])
-def test_flag_the_task_cannot_honour_is_one_line(model_dir, tmp_path, capsys, no_model_load, extra, message):
+def test_flag_the_task_cannot_honour_is_one_line(model_dir, tmp_path, capsys, no_model_load, extra, fragments):
     code, line = script_error(TRAIN, train_args(model_dir, str(tmp_path), *extra), capsys)
-    assert_one_line(code, line, 2, message)
+    assert_one_line(code, line, 2, *fragments)
 
 
 def test_log_to_wandb_without_wandb_names_the_install(model_dir, tmp_path, capsys, no_model_load):
@@ -262,46 +354,283 @@ def test_log_to_wandb_without_wandb_names_the_install(model_dir, tmp_path, capsy
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here")
     code, line = script_error(TRAIN, train_args(model_dir, str(tmp_path), "--log-to", "wandb"), capsys)
-    assert_one_line(code, line, 2, "--log-to wandb needs the package wandb: pip install wandb")
-
-
-def test_full_kl_with_the_reference_on_another_device_is_one_line(model_dir, tmp_path, capsys, monkeypatch,
-                                                                  no_model_load):
-    """The full KL makes the reference's logits beside the policy's. A second device to put the reference on:
-    the GPU where there is one; on a CPU-only machine "meta" stands in for it (resolve_device and check_dtype
-    accept it here), so the check between the two devices is what the test reaches."""
-    if torch.cuda.is_available():
-        device, ref_device = "cpu", "cuda"
-    else:
-        device, ref_device = "cpu", "meta"
-        monkeypatch.setattr(models, "check_dtype", lambda device, dtype: None)
-    argv = train_args(model_dir, str(tmp_path), "--kl-estimator", "full", "--ref-device", ref_device)
-    code, line = script_error(TRAIN, without(argv, "--device") + ["--device", device], capsys)
-    assert_one_line(code, line, 2, "--kl-estimator full computes the reference's logits beside the policy's: "
-                                   "--ref-device must be --device")
+    assert_one_line(code, line, 2, "--log-to", "pip install wandb")
 
 # -----------------------------------------------------------------------------
-# the out dir: two runs never mix
+# the out dir: a run owns its directory (run.json says so) and nothing else
+
+
+@pytest.mark.parametrize("where", ["missing", "empty", "lock-only"])
+def test_a_new_run_into_a_missing_or_empty_dir_writes_run_json_first(model_dir, tmp_path, monkeypatch, where):
+    """lock-only: what a run killed before it wrote run.json leaves (the lock is a run's own file)."""
+    import rollout
+    out = tmp_path / "new" / "run" if where == "missing" else tmp_path
+    if where == "lock-only":
+        (tmp_path / ".lock").write_text("")
+    seen, real_sample = [], rollout.sample
+    monkeypatch.setattr(rollout, "sample", lambda *a, **k: seen.append((out / "run.json").exists()) or
+                        real_sample(*a, **k))
+    run_script(TRAIN, train_args(model_dir, str(out), steps=1))
+    assert seen and seen[0], "run.json was not there when the first rollout began"
+    flags = json.load(open(out / "run.json"))
+    assert (flags["steps"], flags["model"], flags["task"], flags["dtype"]) == (1, model_dir, "toy", "float32")
+    assert [r["step"] for r in read_metrics(str(out))] == [1]
 
 
 def test_a_new_run_into_a_run_dir_is_refused(model_dir, tmp_path, capsys):
     out = str(tmp_path)
     run_script(TRAIN, train_args(model_dir, out, steps=1))
-    before = open(os.path.join(out, "metrics.jsonl")).read()
+    before = files(out)
     code, line = script_error(TRAIN, train_args(model_dir, out, steps=1), capsys)
-    assert_one_line(code, line, 2, f"--out-dir {out} holds a run (metrics.jsonl, ckpt.pt, config.json)",
-                    f"--resume {out}", "--overwrite")
-    assert open(os.path.join(out, "metrics.jsonl")).read() == before  # nothing appended
+    assert_one_line(code, line, 2, f"--out-dir {out}", f"--resume {out}", "--overwrite")
+    assert files(out) == before  # nothing appended
 
 
-def test_overwrite_replaces_the_run(model_dir, tmp_path):
+def hf_model_folder(model_dir, out):
+    shutil.copytree(model_dir, out)  # a HF folder: config.json, model.safetensors, tokenizer files
+
+
+def user_notes(model_dir, out):
+    out.mkdir()
+    (out / "notes.txt").write_text("lr 1e-3 looked better\n")
+
+
+@pytest.mark.parametrize("extra", [[], ["--overwrite"]], ids=["new", "overwrite"])
+@pytest.mark.parametrize("make", [hf_model_folder, user_notes], ids=["hf-folder", "notes"])
+def test_a_dir_that_holds_no_run_is_refused_and_untouched(model_dir, tmp_path, capsys, make, extra):
+    out = tmp_path / "out"
+    make(model_dir, out)
+    before = files(out, skip=())
+    code, line = script_error(TRAIN, train_args(model_dir, str(out), *extra, steps=1), capsys)
+    assert_one_line(code, line, 2, str(out), "--out-dir")
+    assert files(out, skip=()) == before  # byte for byte, and no file added (not even a lock)
+
+
+def test_overwrite_removes_only_what_a_run_writes(model_dir, tmp_path):
+    out = str(tmp_path)
+    run_script(TRAIN, train_args(model_dir, out, "--config", "save_every=1", steps=2))
+    assert os.path.isfile(os.path.join(out, "hf", ".grpo-export"))  # the run's export says it is the run's
+    mine = {"notes.txt": b"lr 1e-3 looked better\n", os.path.join("mine", "data.jsonl"): b'{"q": 1}\n'}
+    left = ["ckpt.pt.tmp", os.path.join("dcp-7", "0.distcp"), os.path.join("tensorboard", "events.out.tfevents.1")]
+    for name, content in [*mine.items(), *((x, b"a run's leftover") for x in left)]:
+        os.makedirs(os.path.dirname(os.path.join(out, name)), exist_ok=True)
+        with open(os.path.join(out, name), "wb") as f:
+            f.write(content)
+    run_script(TRAIN, train_args(model_dir, out, "--overwrite", "--config", "save_every=0", "--config", "export=none",
+                                 steps=1))
+    after = files(out)
+    assert {k: after.get(k) for k in mine} == mine  # the user's files, byte for byte
+    for gone in ("ckpt.pt", "ckpt.pt.tmp", "dcp-7", "hf", "tensorboard"):  # the old run's, all of them
+        assert not os.path.exists(os.path.join(out, gone)), gone
+    assert [r["step"] for r in read_metrics(out)] == [1]  # one line per step, none of the old run's
+    assert json.load(open(os.path.join(out, "run.json")))["steps"] == 1
+
+
+@pytest.mark.parametrize("how", ["overwrite", "resume"])
+def test_an_hf_folder_the_run_did_not_export_is_never_replaced(model_dir, tmp_path, capsys, how):
+    out = str(tmp_path / "run")
+    run_script(TRAIN, train_args(model_dir, out, steps=1))
+    shutil.rmtree(os.path.join(out, "hf"))
+    shutil.copytree(model_dir, os.path.join(out, "hf"))  # the user's own model where the export would go
+    before = files(out)
+    argv = train_args(model_dir, out, "--overwrite", steps=1) if how == "overwrite" else ["--resume", out, "--steps", 2]
+    code, line = script_error(TRAIN, argv, capsys)
+    assert_one_line(code, line, 2, os.path.join(out, "hf"))
+    assert files(out) == before  # the user's hf/ and the run it sits in, both untouched
+
+
+@pytest.mark.parametrize("second", ["resume", "overwrite"])
+def test_a_second_run_on_a_dir_in_use_is_refused_at_once(model_dir, tmp_path, capsys, second):
+    """The first run holds an flock on OUT/.lock for its lifetime; holding it here is the same, deterministic."""
+    import fcntl
+    out = str(tmp_path)
+    run_script(TRAIN, train_args(model_dir, out, steps=1))
+    before = files(out)
+    argv = ["--resume", out, "--steps", 2] if second == "resume" else train_args(model_dir, out, "--overwrite", steps=1)
+
+    def waited(*_):
+        pytest.fail("train.py waited for the lock instead of refusing at once")
+    with open(os.path.join(out, ".lock"), "a") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            pytest.fail("the finished run still holds OUT/.lock")
+        old = signal.signal(signal.SIGALRM, waited)
+        signal.alarm(60)
+        try:
+            code, line = script_error(TRAIN, argv, capsys)
+        finally:
+            signal.alarm(0)
+            signal.signal(signal.SIGALRM, old)
+    assert_one_line(code, line, 2, out, "in use")
+    assert files(out) == before  # the first run's run.json, metrics.jsonl, ckpt.pt, hf/
+
+
+@pytest.mark.parametrize("flag", ["--model", "--task", "--lora-rank"])
+def test_resume_with_another_model_task_or_lora_rank_is_refused(model_dir, tmp_path, capsys, monkeypatch, flag):
+    out = str(tmp_path / "run")
+    run_script(TRAIN, train_args(model_dir, out, steps=1))
+    if flag == "--model":  # the same weights and shape in another folder: still another model
+        new, old = str(tmp_path / "copy"), model_dir
+        shutil.copytree(model_dir, new)
+    elif flag == "--task":
+        monkeypatch.setitem(tasks.TASKS, "toy2", toy.TASK)
+        new, old = "toy2", "toy"
+    else:
+        pytest.importorskip("peft")
+        new, old = "2", "0"
+    before = files(out)
+    code, line = script_error(TRAIN, ["--resume", out, "--steps", 2, flag, new], capsys)
+    assert_one_line(code, line, 2, flag)
+    assert mentions(line, new, out) and mentions(line, old, out), line
+    assert files(out) == before
+
+
+@pytest.mark.parametrize("steps", [None, 1, 2], ids=["the-checkpoint's", "1", "2"])
+def test_resume_to_a_step_already_reached_is_refused(model_dir, tmp_path, capsys, steps):
+    out = str(tmp_path / "run")
+    run_script(TRAIN, train_args(model_dir, out, steps=2))
+    before = files(out)
+    code, line = script_error(TRAIN, ["--resume", out] + ([] if steps is None else ["--steps", steps]), capsys)
+    assert_one_line(code, line, 2, "--steps")
+    assert mentions(line, 2, out), line  # the checkpoint's step
+    assert files(out) == before
+
+
+def test_resume_with_overwrite_is_refused(model_dir, tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / "run")
+    run_script(TRAIN, train_args(model_dir, out, steps=1))
+    before = files(out)
+    forbid_model_load(monkeypatch)
+    code, line = script_error(TRAIN, ["--resume", out, "--overwrite", "--steps", 2], capsys)
+    assert_one_line(code, line, 2, "--resume", "--overwrite")
+    assert files(out) == before
+
+
+@pytest.mark.parametrize("damage", ["torn", "blank"])
+def test_resume_drops_a_torn_last_line_and_blank_lines_of_the_metrics(model_dir, tmp_path, damage):
     out = str(tmp_path)
     run_script(TRAIN, train_args(model_dir, out, steps=2))
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["step"] == 2
-    run_script(TRAIN, train_args(model_dir, out, "--overwrite", "--save-every", 0, steps=1))
-    assert [r["step"] for r in read_metrics(out)] == [1]  # one line per step, none of the old run's
-    assert not os.path.exists(os.path.join(out, "ckpt.pt"))  # eval.py --ckpt cannot pick up the old model
-    assert json.load(open(os.path.join(out, "config.json")))["steps"] == 1
+    path = os.path.join(out, "metrics.jsonl")
+    lines = open(path).read().splitlines(keepends=True)
+    with open(path, "a" if damage == "torn" else "w") as f:
+        f.write('{"step": 3, "rew' if damage == "torn" else "\n" + lines[0] + "\n  \n" + "".join(lines[1:]) + "\n")
+    run_script(TRAIN, ["--resume", out, "--steps", 4])
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]  # every line JSON, each step once
+
+# -----------------------------------------------------------------------------
+# interruptions: Ctrl-C, SIGTERM, a kill mid-save, a failed export
+
+
+def interrupted(argv, capsys):
+    """Run train.py expecting an interruption -> (exit code, stderr). KeyboardInterrupt must not escape."""
+    capsys.readouterr()
+    try:
+        with pytest.raises(SystemExit) as e:
+            run_script(TRAIN, argv)
+    except KeyboardInterrupt:
+        pytest.fail("KeyboardInterrupt escaped train.py (a traceback for the user)")
+    return e.value.code, capsys.readouterr().err
+
+
+def assert_interrupted(code, err, out, want=(130,)):
+    assert code in want, (code, err[-2000:])
+    assert "Traceback" not in err, err[-2000:]
+    line = err.strip().splitlines()[-1]
+    assert f"--resume {out}" in line, line  # where the checkpoint is, and how to go on
+    assert leftovers(out) == []
+
+
+def raise_on_call(real, n, error):
+    calls = []
+
+    def wrapped(*a, **k):
+        calls.append(1)
+        if len(calls) == n:
+            raise error
+        return real(*a, **k)
+    return wrapped
+
+
+def test_ctrl_c_mid_step_ends_in_one_line_and_the_run_resumes(model_dir, tmp_path, capsys, monkeypatch):
+    out = str(tmp_path)
+    monkeypatch.setattr(grpo, "grpo_loss", raise_on_call(grpo.grpo_loss, 5, KeyboardInterrupt()))
+    code, err = interrupted(train_args(model_dir, out, "--config", "save_every=1", steps=4), capsys)
+    monkeypatch.undo()
+    assert_interrupted(code, err, out)
+    step = ckpt_step(out)  # loadable, and the step before the one interrupted
+    assert 1 <= step < 4 and [r["step"] for r in read_metrics(out)] == list(range(1, step + 1))
+    run_script(TRAIN, ["--resume", out])
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    assert ckpt_step(out) == 4
+
+
+def test_ctrl_c_mid_save_keeps_the_last_good_checkpoint(model_dir, tmp_path, capsys, monkeypatch):
+    out = str(tmp_path)
+    save = toy.save_that_fails(KeyboardInterrupt(), 1 / 2)  # step 2's checkpoint half written
+    monkeypatch.setattr(torch, "save", save)
+    code, err = interrupted(train_args(model_dir, out, "--config", "save_every=1", steps=3), capsys)
+    monkeypatch.undo()
+    assert_interrupted(code, err, out)
+    assert ckpt_step(out) == 1
+    run_script(TRAIN, ["--resume", out])
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
+
+
+def tokenizer_that_cannot_save(monkeypatch, error):
+    """models.load_tokenizer hands train.py a tokenizer whose save_pretrained (the export's last write) raises."""
+    real = models.load_tokenizer
+
+    def load(*a, **k):
+        tok = real(*a, **k)
+        tok.save_pretrained = raise_on_call(tok.save_pretrained, 1, error)
+        return tok
+    monkeypatch.setattr(models, "load_tokenizer", load)
+
+
+def test_ctrl_c_mid_export_leaves_no_temp_folder(model_dir, tmp_path, capsys, monkeypatch):
+    out = str(tmp_path)
+    tokenizer_that_cannot_save(monkeypatch, KeyboardInterrupt())
+    code, err = interrupted(train_args(model_dir, out, steps=2), capsys)
+    assert code == 130, (code, err[-2000:])
+    assert "Traceback" not in err and leftovers(out) == []
+    assert not os.path.exists(os.path.join(out, "hf"))  # no half export where a whole one belongs
+    assert ckpt_step(out) == 2
+
+
+def test_export_that_raises_is_one_line_and_keeps_the_checkpoint(model_dir, tmp_path, capsys, monkeypatch):
+    out = str(tmp_path)
+    tokenizer_that_cannot_save(monkeypatch, RuntimeError("disk full"))
+    code, line = script_error(TRAIN, train_args(model_dir, out, steps=2), capsys)
+    assert_one_line(code, line, 1, "disk full")
+    assert leftovers(out) == [] and not os.path.exists(os.path.join(out, "hf"))
+    assert ckpt_step(out) == 2 and [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, codes", [(signal.SIGINT, (130,)), (signal.SIGTERM, (143, 130))], ids=["INT", "TERM"])
+def test_a_signal_mid_run_ends_in_one_line_and_the_run_resumes(model_dir, tmp_path, sig, codes):
+    out = str(tmp_path / "run")
+    argv = train_args(model_dir, out, "--config", "save_every=1", steps=500)
+    with open(tmp_path / "stderr", "w") as err_file:
+        proc = subprocess.Popen([sys.executable, TOY_TRAIN, *map(str, argv)], cwd=REPO, env=subprocess_env(),
+                                stdout=subprocess.DEVNULL, stderr=err_file)
+        try:
+            deadline = time.time() + 300
+            while not os.path.exists(os.path.join(out, "ckpt.pt")):
+                assert proc.poll() is None, open(tmp_path / "stderr").read()[-2000:]
+                assert time.time() < deadline, "no checkpoint after 300 s"
+                time.sleep(0.1)
+            proc.send_signal(sig)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert_interrupted(proc.returncode, open(tmp_path / "stderr").read(), out, codes)
+    step = ckpt_step(out)
+    run_script(TRAIN, ["--resume", out, "--steps", step + 1])
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, step + 2))
 
 # -----------------------------------------------------------------------------
 # a full disk while saving
@@ -312,7 +641,7 @@ def test_disk_full_keeps_the_last_good_checkpoint_and_ends_in_one_line(model_dir
     monkeypatch.setattr(torch, "save", save_until_full)
     out = str(tmp_path)
     with pytest.raises(SystemExit) as e:
-        run_script(TRAIN, train_args(model_dir, out, "--save-every", 1, steps=3))
+        run_script(TRAIN, train_args(model_dir, out, "--config", "save_every=1", steps=3))
     monkeypatch.undo()
     ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
     assert ckpt["step"] == 1  # the last good one, whole
@@ -322,44 +651,41 @@ def test_disk_full_keeps_the_last_good_checkpoint_and_ends_in_one_line(model_dir
     assert "Traceback" not in printed.err
     warnings = [x for x in printed.out.splitlines() if x.startswith("warning: step")]
     assert [w.split(":")[1] for w in warnings] == [" step 2", " step 3"], warnings
-    tensor_bytes = sum(v.numel() * v.element_size() for v in walk_tensors(ckpt))
-    assert_one_line(1, e.value.code, 1, "error: the last checkpoint was not written: could not write "
-                    f"{out}/ckpt.pt (No space left on device); about {math.ceil(tensor_bytes / 2**20)} MiB "
-                    f"are needed in {out}")
-
-
-def walk_tensors(obj):
-    if torch.is_tensor(obj):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from walk_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from walk_tensors(v)
+    assert_one_line(1, e.value.code, 1, "the last checkpoint was not written", f"{out}/ckpt.pt",
+                    "No space left on device", f"make room in {out}")
 
 # -----------------------------------------------------------------------------
-# prompts longer than the limit
+# prompts longer than the context leaves them
 
 
 def test_long_prompts_keep_their_last_tokens_and_are_counted(model_dir, tmp_path, monkeypatch):
+    """A model with a context of 16 and --max-new-tokens 12: each prompt keeps its last 16 - 12 = 4 tokens."""
+    import inspect
     import rollout
+    from transformers import AutoModelForCausalLM
+    short = str(tmp_path / "short")
+    shutil.copytree(model_dir, short)
+    m = AutoModelForCausalLM.from_pretrained(short)
+    m.config.max_position_embeddings = 16
+    m.save_pretrained(short)
     seen, real_sample = [], rollout.sample
-    monkeypatch.setattr(rollout, "sample", lambda *a, **k: seen.append((a, real_sample(*a, **k))) or seen[-1][1])
-    g = run_script(TRAIN, train_args(model_dir, str(tmp_path), "--max-prompt-tokens", 3, steps=1))
-    assert read_metrics(str(tmp_path))[0]["prompt_cut"] == 1.0  # every toy prompt is longer than 3 tokens
-    [(args, r)] = seen
-    tok, prompts, G = g["tokenizer"], args[2], args[3]
-    for i, messages in enumerate(prompts):
+    bind = inspect.signature(real_sample).bind
+    monkeypatch.setattr(rollout, "sample", lambda *a, **k: seen.append((bind(*a, **k).arguments,
+                                                                         real_sample(*a, **k))) or seen[-1][1])
+    g = run_script(TRAIN, train_args(short, str(tmp_path / "out"), steps=1))
+    assert read_metrics(str(tmp_path / "out"))[0]["prompt_cut"] == 1.0  # every toy prompt is 8 tokens
+    [(called, r)] = seen
+    tok, G = g["tokenizer"], called["group_size"]
+    for i, messages in enumerate(called["prompts"]):
         full = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
-        want = full["input_ids"][-3:]
+        assert len(full["input_ids"]) == 8
         for row in range(i * G, (i + 1) * G):
-            assert r.prompt_mask[row].tolist() == [1, 1, 1]
-            assert r.prompt_ids[row].tolist() == want
+            assert r.prompt_mask[row].tolist() == [1, 1, 1, 1]
+            assert r.prompt_ids[row].tolist() == full["input_ids"][-4:]
 
 
 def test_prompts_within_the_limit_are_not_cut(model_dir, tmp_path):
-    run_script(TRAIN, train_args(model_dir, str(tmp_path), steps=1))  # default limit: 512 - 12 tokens
+    run_script(TRAIN, train_args(model_dir, str(tmp_path), steps=1))  # the context 512 leaves 500 for a prompt
     assert read_metrics(str(tmp_path))[0]["prompt_cut"] == 0.0
 
 # -----------------------------------------------------------------------------
@@ -408,6 +734,17 @@ def test_usage_error_in_a_fresh_process_exits_2_without_a_traceback(model_dir, t
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "train.py: error: --lr must be a finite number, got nan"
+
+
+@pytest.mark.slow
+def test_unknown_inline_config_key_in_a_fresh_process_exits_2(model_dir, tmp_path):
+    argv = train_args(model_dir, str(tmp_path / "out"), "--config", "lr_scheule=cosine")
+    proc = subprocess.run([sys.executable, TOY_TRAIN, *map(str, argv)], cwd=REPO, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert "error:" in line and "lr_scheule" in line, line
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
 
 
 RUN_WITH_BROKEN_REWARD = """

@@ -1,8 +1,12 @@
 """eval.py: `evaluate` against an independent recomputation with task.score, and the command line."""
 
 import json
+import math
 import os
 import sys
+from fractions import Fraction
+from itertools import combinations
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import toy  # noqa: E402
 from toy import EVAL, TRAIN, run_script, train_args  # noqa: E402
 
-from eval import evaluate, load_checkpoint_model  # noqa: E402
+import eval as ev  # noqa: E402
+from eval import evaluate, load_checkpoint_model, pass_at_k  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -53,12 +58,75 @@ def test_sampled_pass_at_n_is_any_correct():
                                 temperature=1.0, seed=1, progress=False)
     assert all(len(r["completions"]) == 4 and r["completion"] == r["completions"][0] for r in records)
     strict = [[task.score(c, ex)["strict"] for c in r["completions"]] for r, ex in zip(records, examples)]
-    assert summary["pass@4"] == pytest.approx(mean([float(any(s)) for s in strict]))
+    assert summary["pass@4"] == pytest.approx(mean([float(any(s)) for s in strict]))  # pass@n: any is right
     assert summary["strict_acc"] == pytest.approx(mean([mean(s) for s in strict]))
+    assert summary["pass@1"] == pytest.approx(summary["strict_acc"])  # pass@1 is the mean accuracy
+    assert summary["pass@2"] == pytest.approx(mean([float(brute_pass_at_k(s, 2)) for s in strict]))
     assert summary["strict_acc"] < summary["pass@4"]  # some question is solved by some sample, not all
     again, _ = evaluate(model, tok, task, examples, max_new_tokens=6, batch_size=8, n=4, temperature=1.0,
                         seed=1, progress=False)
     assert again == summary  # seeded
+
+
+def brute_pass_at_k(correct, k):
+    """P(a k-subset of the samples holds a correct one), by enumerating every k-subset (exact)."""
+    subsets = list(combinations(correct, k))
+    return Fraction(sum(any(s) for s in subsets), len(subsets))
+
+
+def test_pass_at_k_is_the_fraction_of_k_subsets_with_a_correct_sample():
+    # the product form against enumeration; <= 6 float factors, each rounded by <= 2^-53: error << 1e-12
+    for n in range(1, 7):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert abs(pass_at_k(n, c, k) - brute_pass_at_k([True] * c + [False] * (n - c), k)) < 1e-12, (n, c, k)
+    # C(2000, 1000) ~ 1e600 overflows a float; the product form does not, and matches the exact ratio
+    exact = 1 - Fraction(math.comb(1997, 1000), math.comb(2000, 1000))
+    assert abs(pass_at_k(2000, 3, 1000) - exact) < 1e-12
+
+
+def stub_sample(correct, calls):
+    """rollout.sample for toy prompts: example q's first correct[q] of n completions are right (toy.score)."""
+    def sample(model, tokenizer, prompts, n, max_new_tokens, stops, temperature=1.0, generator=None, dtype=None):
+        calls.append((len(prompts), n, temperature))
+        outs = []
+        for msgs in prompts:
+            q = msgs[-1]["content"]
+            right, wrong = ("w2", "w1") if toy.score("w2", {"answer": ANSWERS[q]})["strict"] else ("w1", "w2")
+            outs += [right if i < correct[q] else wrong for i in range(n)]
+        return SimpleNamespace(completions=outs)
+    return sample
+
+
+ANSWERS = {ex["question"]: ex["answer"] for ex in toy.load("test")}
+
+
+@pytest.mark.parametrize("n, counts, ks", [(6, [0, 1, 3, 6, 2], [1, 2, 4, 6]), (4, [0, 1, 2, 4, 3], [1, 2, 4]),
+                                           (3, [0, 3, 1, 2, 2], [1, 2, 3])])
+def test_evaluate_reports_pass_at_k_for_powers_of_two_and_n(monkeypatch, n, counts, ks):
+    examples = toy.load("test")[:len(counts)]
+    correct = {ex["question"]: c for ex, c in zip(examples, counts)}
+    calls = []
+    monkeypatch.setattr(ev, "sample", stub_sample(correct, calls))
+    summary, records = evaluate(toy.make_model(), toy.make_tokenizer(), toy.TASK, examples, n=n, batch_size=2 * n,
+                                temperature=0.7, progress=False)
+    assert calls == [(2, n, 0.7), (2, n, 0.7), (1, n, 0.7)]  # batch_size counts completions: 2 prompts a call
+    assert [k for k in summary if k.startswith("pass@")] == [f"pass@{k}" for k in ks]
+    for k in ks:
+        want = mean([brute_pass_at_k([True] * c + [False] * (n - c), k) for c in counts])
+        assert summary[f"pass@{k}"] == pytest.approx(float(want), abs=1e-12), k
+    assert summary["strict_acc"] == pytest.approx(sum(counts) / (n * len(counts)))
+    assert [r["strict"] for r in records] == [c / n for c in counts]
+
+
+def test_progress_bar_goes_to_stderr_and_counts_problems(monkeypatch, capsys):
+    examples = toy.load("test")[:5]
+    monkeypatch.setattr(ev, "sample", stub_sample({ex["question"]: 1 for ex in examples}, []))
+    evaluate(toy.make_model(), toy.make_tokenizer(), toy.TASK, examples, n=2, batch_size=4, progress=True)
+    out, err = capsys.readouterr()  # neither is a tty here, as in a job log
+    assert out == "" and "eval:" in err and "/5 " in err, err  # the bar counts the 5 problems
+    evaluate(toy.make_model(), toy.make_tokenizer(), toy.TASK, examples, n=2, batch_size=4, progress=False)
+    assert capsys.readouterr() == ("", "")
 
 
 def test_cli_writes_one_prediction_per_example(model_dir, tmp_path, capsys):

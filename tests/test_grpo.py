@@ -1,5 +1,6 @@
 """Tests for grpo.py: each function against a hand calculation or an independent computation (CPU, fp64)."""
 
+import dataclasses
 import doctest
 import math
 import statistics
@@ -9,8 +10,8 @@ import torch
 from torch.distributions import Categorical, kl_divergence
 
 import grpo
-from grpo import (KL_DEFAULT, LOSS_TYPES, aggregate, behaviour_weights, clipped_surrogate, entropy_from_logits,
-                  full_kl, group_advantages, grpo_loss, importance_ratio, informative_groups, kl_estimate,
+from grpo import (LOSS_TYPES, Objective, aggregate, behaviour_weights, clipped_surrogate, full_kl,
+                  group_advantages, grpo_loss, importance_ratio, informative_groups, kl_estimate,
                   process_advantages, top_entropy_mask)
 
 F64 = dict(dtype=torch.float64)
@@ -160,7 +161,7 @@ def test_k3_clamped_hand_values_and_gradient():
     torch.testing.assert_close(k, torch.tensor([0, e(0.5) - 1.5, e(2) - 3, e(-5) + 4, 10, 10], **F64))
     grad, = torch.autograd.grad(k.sum(), logp)
     torch.testing.assert_close(grad, torch.tensor([0, 1 - e(0.5), 1 - e(2), 1 - e(-5), 0, 0], **F64))
-    assert KL_DEFAULT == "k3_clamped"
+    assert Objective().kl_estimator == "k3_clamped"
     # equal to plain k3 wherever neither clamp binds (-11 < x < 2.61)
     small = torch.linspace(-10.9, 2.6, 101, **F64)
     torch.testing.assert_close(kl_estimate(-small, torch.zeros_like(small), "k3_clamped"),
@@ -205,14 +206,6 @@ def test_full_kl_matches_torch_distributions(chunk_size):
     torch.testing.assert_close(low.double(), want_bf, atol=1e-5, rtol=1e-4)
 
 
-def test_entropy_from_logits_matches_categorical():
-    torch.manual_seed(0)
-    logits = torch.randn(3, 4, 9, **F64)
-    torch.testing.assert_close(entropy_from_logits(logits, chunk_size=5), Categorical(logits=logits).entropy())
-    uniform = entropy_from_logits(torch.zeros(1, 2, 9))
-    torch.testing.assert_close(uniform, torch.full((1, 2), math.log(9)))
-
-
 def test_top_entropy_mask_keeps_top_fraction_of_valid_tokens():
     h = torch.tensor([[0.0, 1, 2, 3, 4, 100], [5, 6, 7, 8, 9, 100]], **F64)
     mask = torch.ones(2, 6, dtype=torch.bool)
@@ -231,26 +224,23 @@ def test_top_entropy_mask_keeps_top_fraction_of_valid_tokens():
 #   sequence ratios e^(sum of d): row 0 e^0.5 = 1.6487213 (GSPO's mean would give e^(0.5/3)), row 1 e^3.2 = 24.53
 _D = [[0.5, -1.0, 1.0], [0.2, 3.0, 0.0]]
 _E = math.exp
-_WANT = {  # (cap_min, weights, fraction of the 5 valid tokens capped or masked)
-    "none": (None, [[1, 1, 1], [1, 1, 1]], 0.0),
-    "token_truncate": (None, [[_E(0.5), _E(-1), 2], [_E(0.2), 2, 1]], 2 / 5),
-    "token_mask": (None, [[_E(0.5), _E(-1), 0], [_E(0.2), 0, 1]], 2 / 5),
-    "sequence_truncate": (None, [[_E(0.5)] * 3, [2, 2, 1]], 2 / 5),
-    "sequence_mask": (None, [[_E(0.5)] * 3, [0, 0, 1]], 2 / 5),
-    # a lower bound of 0.5 also catches e^-1 = 0.37
-    "token_truncate_min": (0.5, [[_E(0.5), 0.5, 2], [_E(0.2), 2, 1]], 3 / 5),
-    "token_mask_min": (0.5, [[_E(0.5), 0, 0], [_E(0.2), 0, 1]], 3 / 5),
+_WANT = {  # (weights, fraction of the 5 valid tokens capped or masked)
+    "none": ([[1, 1, 1], [1, 1, 1]], 0.0),
+    "token_truncate": ([[_E(0.5), _E(-1), 2], [_E(0.2), 2, 1]], 2 / 5),
+    "token_mask": ([[_E(0.5), _E(-1), 0], [_E(0.2), 0, 1]], 2 / 5),
+    "sequence_truncate": ([[_E(0.5)] * 3, [2, 2, 1]], 2 / 5),
+    "sequence_mask": ([[_E(0.5)] * 3, [0, 0, 1]], 2 / 5),
 }
 
 
 @pytest.mark.parametrize("case", list(_WANT))
 def test_behaviour_weights_hand_example(case):
-    cap_min, want, capped = _WANT[case]
+    want, capped = _WANT[case]
     train = torch.tensor([[-1.0, -2, -0.5], [-3, -0.1, -2]], **F64, requires_grad=True)
     mask = torch.tensor([[True, True, True], [True, True, False]])
     sample = train.detach() - torch.tensor(_D, **F64)
     sample[1, 2] = math.nan  # padding garbage must reach neither weights nor metrics
-    w, m = behaviour_weights(train, sample, mask, case.removesuffix("_min"), cap=2.0, cap_min=cap_min)
+    w, m = behaviour_weights(train, sample, mask, case, cap=2.0)
     torch.testing.assert_close(w, torch.tensor(want, **F64))
     assert not w.requires_grad and all(v.dim() == 0 and not v.requires_grad for v in m.values())
     # |d| on valid tokens: 0.5, 1, 1, 0.2, 3 -> mean 5.7 / 5 = 1.14, max 3,
@@ -266,11 +256,14 @@ def test_behaviour_weights_all_masked_gives_finite_metrics():
     assert torch.equal(w, torch.ones(2, 3)) and all(v.item() == 0 for v in m.values())
 
 
+K3 = Objective(beta=0.1, kl_estimator="k3")  # eps 0.2: clip to [0.8, 1.2]
+
+
 def test_behaviour_weights_multiply_the_policy_term_only():
     logp, old, ref, adv, mask, _ = _batch()
     logp.requires_grad_()
     w = (0.5 + torch.rand(logp.shape, generator=torch.Generator().manual_seed(1), **F64)).requires_grad_()
-    loss, _ = grpo_loss(logp, old, ref, adv, mask, beta=0.1, kl_estimator="k3", behaviour_weights=w)
+    loss, _ = grpo_loss(logp, old, ref, adv, mask, K3, behaviour_weights=w)
     # written out: (1/N) sum_i (1/|o_i|) sum_t [-min(r A, clip(r, 0.8, 1.2) A) w + 0.1 (e^x - x - 1)]
     want, lp = 0.0, logp.detach()
     for i in range(6):
@@ -284,8 +277,8 @@ def test_behaviour_weights_multiply_the_policy_term_only():
     g_logp, g_w = torch.autograd.grad(loss, (logp, w), allow_unused=True)
     assert g_w is None  # the weights are used detached
     # weight 0 everywhere leaves exactly the KL term's gradient
-    zero, _ = grpo_loss(logp, old, ref, adv, mask, beta=0.1, kl_estimator="k3", behaviour_weights=torch.zeros_like(w))
-    kl_only, _ = grpo_loss(logp, old, ref, torch.zeros_like(adv), mask, beta=0.1, kl_estimator="k3")
+    zero, _ = grpo_loss(logp, old, ref, adv, mask, K3, behaviour_weights=torch.zeros_like(w))
+    kl_only, _ = grpo_loss(logp, old, ref, torch.zeros_like(adv), mask, K3)
     torch.testing.assert_close(torch.autograd.grad(zero, logp)[0], torch.autograd.grad(kl_only, logp)[0])
 
 
@@ -299,7 +292,7 @@ def test_clip_gradient_zero_exactly_where_the_clipped_branch_is_active():
     old = torch.full((1, 8), -1.0, **F64)
     logp = (old + torch.tensor([[r for _, r in cases]], **F64).log()).requires_grad_()
     mask = torch.ones(1, 8, dtype=torch.bool)
-    loss, m = grpo_loss(logp, old, None, A, mask, eps_low=0.2, eps_high=0.28)
+    loss, m = grpo_loss(logp, old, None, A, mask, Objective(beta=0, eps_high=0.28))
     grad, = torch.autograd.grad(loss, logp)
     clipped = torch.tensor([[True, False, False, False, True, True, False, False]])
     assert torch.equal(grad[clipped], torch.zeros(3, **F64))
@@ -308,7 +301,7 @@ def test_clip_gradient_zero_exactly_where_the_clipped_branch_is_active():
     torch.testing.assert_close(loss, -torch.tensor(want, **F64).mean())
     assert (m["clip_high"].item(), m["clip_low"].item(), m["clip"].item()) == (1 / 8, 2 / 8, 3 / 8)
     # without clip-higher, rho=1.25 with A>0 is clipped too
-    grad_sym, = torch.autograd.grad(grpo_loss(logp, old, None, A, mask, eps_low=0.2)[0], logp)
+    grad_sym, = torch.autograd.grad(grpo_loss(logp, old, None, A, mask, Objective(beta=0))[0], logp)
     assert grad_sym[0, 1] == 0 and grad[0, 1] != 0
 
 
@@ -338,7 +331,8 @@ def test_mu1_value_is_advantage_and_gradient_is_minus_A_times_weight(loss_type, 
     logp, _, _, adv, mask, _ = _batch()
     logp.requires_grad_()
     N, T = logp.shape
-    loss, m = grpo_loss(logp, None, None, adv, mask, loss_type=loss_type, importance_level=level, max_len=10)
+    obj = Objective(beta=0, loss_type=loss_type, importance_level=level, max_len=10)
+    loss, m = grpo_loss(logp, None, None, adv, mask, obj)
     lens = mask.sum(1, keepdim=True).double()  # (N, 1)
     n = mask.sum()
     weight = {"grpo": 1 / (lens * N), "bnpo": 1 / n, "dr_grpo": 1 / (N * 10), "dapo": 1 / n}[loss_type]
@@ -359,8 +353,9 @@ def test_padding_changes_neither_loss_nor_gradient(loss_type, level):
 
     def run(logp, old, ref, adv_t, ent):
         logp, ent = logp.clone().requires_grad_(), ent.clone().requires_grad_()
-        loss, metrics = grpo_loss(logp, old, ref, adv_t, mask, beta=0.04, delta=4.0, loss_type=loss_type,
-                                  importance_level=level, entropy=ent, entropy_coef=0.01, top_entropy_quantile=0.5)
+        obj = Objective(beta=0.04, delta=4.0, loss_type=loss_type, importance_level=level, entropy_coef=0.01,
+                        top_entropy_quantile=0.5)
+        loss, metrics = grpo_loss(logp, old, ref, adv_t, mask, obj, entropy=ent)
         return loss, torch.autograd.grad(loss, (logp, ent)), metrics
 
     loss, grads, metrics = run(logp, old, ref, adv_t, ent)
@@ -381,9 +376,10 @@ def test_all_masked_row_and_all_masked_call_are_finite(loss_type):
     logp, old, ref, adv, mask, ent = _batch()
     mask[2] = False
     logp.requires_grad_()
-    loss, m = grpo_loss(logp, old, ref, adv, mask, beta=0.1, loss_type=loss_type, entropy=ent)
+    obj = Objective(beta=0.1, loss_type=loss_type)
+    loss, m = grpo_loss(logp, old, ref, adv, mask, obj, entropy=ent)
     assert torch.isfinite(loss) and torch.isfinite(torch.autograd.grad(loss, logp)[0]).all()
-    loss, m = grpo_loss(logp, old, ref, adv, torch.zeros_like(mask), beta=0.1, loss_type=loss_type, entropy=ent)
+    loss, m = grpo_loss(logp, old, ref, adv, torch.zeros_like(mask), obj, entropy=ent)
     assert loss.item() == 0 and all(torch.isfinite(v) for v in m.values())
 
 
@@ -415,32 +411,34 @@ def test_grpo_differs_from_bnpo_on_ragged_lengths_only():
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
 def test_two_micro_batches_accumulate_to_one_batch(loss_type):
     logp, old, ref, adv, mask, _ = _batch()
-    kw = dict(beta=0.04, eps_high=0.28, loss_type=loss_type)
+    obj = Objective(beta=0.04, eps_high=0.28, loss_type=loss_type, max_len=7)
     full = logp.clone().requires_grad_()
-    loss, _ = grpo_loss(full, old, ref, adv, mask, **kw)
+    loss, _ = grpo_loss(full, old, ref, adv, mask, obj)
     loss.backward()
     acc = logp.clone().requires_grad_()
     total = 0
     for s in (slice(0, 2), slice(2, 6)):  # unequal micro-batches
-        part, _ = grpo_loss(acc[s], old[s], ref[s], adv[s], mask[s], num_sequences=6, num_tokens=mask.sum(),
-                            max_len=7, **kw)
+        part, _ = grpo_loss(acc[s], old[s], ref[s], adv[s], mask[s], obj, num_sequences=6, num_tokens=mask.sum())
         part.backward()
         total = total + part.detach()
     torch.testing.assert_close(total, loss.detach())
     torch.testing.assert_close(acc.grad, full.grad)
 
 
+BNPO = Objective(beta=0, loss_type="bnpo")
+
+
 def test_bnpo_micro_batches_average_their_token_means():
     logp, old, _, adv, mask, _ = _batch()
-    parts = [grpo_loss(logp[s], old[s], None, adv[s], mask[s], loss_type="bnpo", num_sequences=6)[0]
+    parts = [grpo_loss(logp[s], old[s], None, adv[s], mask[s], BNPO, num_sequences=6)[0]
              for s in (slice(0, 3), slice(3, 6))]
-    alone = [grpo_loss(logp[s], old[s], None, adv[s], mask[s], loss_type="bnpo")[0] for s in (slice(0, 3), slice(3, 6))]
+    alone = [grpo_loss(logp[s], old[s], None, adv[s], mask[s], BNPO)[0] for s in (slice(0, 3), slice(3, 6))]
     torch.testing.assert_close(sum(parts), sum(alone) / 2)
     # with equal token counts per micro-batch that is the full-batch token mean
     even = torch.arange(7)[None] < torch.tensor([[4], [2], [3], [3], [2], [4]])  # 9 tokens in each half
-    parts = [grpo_loss(logp[s], old[s], None, adv[s], even[s], loss_type="bnpo", num_sequences=6)[0]
+    parts = [grpo_loss(logp[s], old[s], None, adv[s], even[s], BNPO, num_sequences=6)[0]
              for s in (slice(0, 3), slice(3, 6))]
-    torch.testing.assert_close(sum(parts), grpo_loss(logp, old, None, adv, even, loss_type="bnpo")[0])
+    torch.testing.assert_close(sum(parts), grpo_loss(logp, old, None, adv, even, BNPO)[0])
 
 
 # -----------------------------------------------------------------------------
@@ -449,8 +447,8 @@ def test_bnpo_micro_batches_average_their_token_means():
 def test_kl_entropy_terms_and_metrics():
     logp, old, ref, adv, mask, ent = _batch()
     logp.requires_grad_()
-    base, _ = grpo_loss(logp, old, None, adv, mask)
-    loss, m = grpo_loss(logp, old, ref, adv, mask, beta=0.1, entropy=ent, entropy_coef=0.01)
+    base, _ = grpo_loss(logp, old, None, adv, mask, Objective(beta=0))
+    loss, m = grpo_loss(logp, old, ref, adv, mask, Objective(beta=0.1, entropy_coef=0.01), entropy=ent)
     k3 = kl_estimate(logp, ref)
     lens = mask.sum(1).double()
     seq_mean = lambda x: (torch.where(mask, x, 0.0).sum(1) / lens).mean()
@@ -461,7 +459,7 @@ def test_kl_entropy_terms_and_metrics():
     torch.testing.assert_close(m["ratio_mean"], ratio.mean())
     assert m["ratio_min"] == ratio.min() and m["ratio_max"] == ratio.max()
     assert all(v.dim() == 0 and not v.requires_grad for v in m.values())
-    assert "kl" not in grpo_loss(logp, old, None, adv, mask)[1]
+    assert "kl" not in grpo_loss(logp, old, None, adv, mask, Objective(beta=0))[1]
 
 
 def test_kl_max_metric_and_default_estimator():
@@ -470,12 +468,12 @@ def test_kl_max_metric_and_default_estimator():
     ref = logp + torch.tensor([[0.5, -1, 2], [25, 99, 99]], **F64)  # x = 99 is padding
     mask = torch.tensor([[True, True, True], [True, False, False]])
     k3 = [math.exp(0.5) - 1.5, math.exp(-1), math.exp(2) - 3, math.exp(25) - 26]
-    _, m = grpo_loss(logp, None, ref, torch.zeros(2, **F64), mask, beta=0.1, kl_estimator="k3")
+    _, m = grpo_loss(logp, None, ref, torch.zeros(2, **F64), mask, Objective(beta=0.1, kl_estimator="k3"))
     assert m["kl_max"].item() == pytest.approx(k3[3]) and m["kl"].item() == pytest.approx(sum(k3) / 4)
     # the default (k3_clamped) caps x = 25 at 10, so the max is 10 and the mean (k3[:3] + 10) / 4
-    _, m = grpo_loss(logp, None, ref, torch.zeros(2, **F64), mask, beta=0.1)
+    _, m = grpo_loss(logp, None, ref, torch.zeros(2, **F64), mask, Objective(beta=0.1))
     assert m["kl_max"].item() == 10 and m["kl"].item() == pytest.approx((sum(k3[:3]) + 10) / 4)
-    _, m = grpo_loss(logp, None, ref, torch.zeros(2, **F64), torch.zeros_like(mask), beta=0.1)
+    _, m = grpo_loss(logp, None, ref, torch.zeros(2, **F64), torch.zeros_like(mask), Objective(beta=0.1))
     assert m["kl_max"].item() == 0 and m["kl"].item() == 0
 
 
@@ -491,7 +489,7 @@ def test_full_kl_in_loss_matches_naive_formula():
     logits = logits0.clone().requires_grad_()
     logp = logits.log_softmax(-1).gather(-1, tokens[..., None])[..., 0]  # (N, T)
     kl = torch.cat([full_kl(logits[i:i + 1], ref_logits[i:i + 1], chunk_size=2) for i in range(N)])  # (N, T)
-    loss, m = grpo_loss(logp, old, None, adv, mask, beta=0.2, kl_estimator="full", kl=kl)
+    loss, m = grpo_loss(logp, old, None, adv, mask, Objective(beta=0.2, kl_estimator="full"), kl=kl)
     grad, = torch.autograd.grad(loss, logits)
 
     # naive: everything on the full (N, T, V) tensor, sequence-mean then batch-mean ("grpo")
@@ -515,7 +513,8 @@ def test_padding_garbage_in_full_kl_and_behaviour_weights_is_ignored():
 
     def run(kl, w):
         lp, kl = logp.clone().requires_grad_(), kl.clone().requires_grad_()
-        loss, m = grpo_loss(lp, old, None, adv, mask, beta=0.1, kl_estimator="full", kl=kl, behaviour_weights=w)
+        obj = Objective(beta=0.1, kl_estimator="full")
+        loss, m = grpo_loss(lp, old, None, adv, mask, obj, kl=kl, behaviour_weights=w)
         return loss, torch.autograd.grad(loss, (lp, kl)), m
 
     loss, grads, m = run(kl, w)
@@ -530,7 +529,7 @@ def test_padding_garbage_in_full_kl_and_behaviour_weights_is_ignored():
 def test_top_entropy_quantile_applies_to_policy_term_only():
     logp, old, ref, adv, mask, ent = _batch()
     logp.requires_grad_()
-    loss, _ = grpo_loss(logp, old, ref, adv, mask, beta=0.1, entropy=ent, top_entropy_quantile=0.3)
+    loss, _ = grpo_loss(logp, old, ref, adv, mask, Objective(beta=0.1, top_entropy_quantile=0.3), entropy=ent)
     keep = top_entropy_mask(ent, mask, 0.3)
     per_token = -clipped_surrogate((logp - old).exp(), adv[:, None]) * keep + 0.1 * kl_estimate(logp, ref)
     torch.testing.assert_close(loss, aggregate(per_token, mask, "grpo"))
@@ -540,10 +539,48 @@ def test_top_entropy_quantile_applies_to_policy_term_only():
 
 def test_bf16_inputs_are_upcast():
     logp, old, ref, adv, mask, _ = _batch()
-    loss, m = grpo_loss(logp.bfloat16(), old.bfloat16(), ref.bfloat16(), adv.bfloat16(), mask, beta=0.04)
+    loss, m = grpo_loss(logp.bfloat16(), old.bfloat16(), ref.bfloat16(), adv.bfloat16(), mask, Objective())
     assert loss.dtype == torch.float32 and m["ratio_mean"].dtype == torch.float32
-    want, _ = grpo_loss(*(x.bfloat16().double() for x in (logp, old, ref, adv)), mask, beta=0.04)
+    want, _ = grpo_loss(*(x.bfloat16().double() for x in (logp, old, ref, adv)), mask, Objective())
     torch.testing.assert_close(loss.double(), want, atol=1e-5, rtol=1e-4)
+
+
+# -----------------------------------------------------------------------------
+# Objective: the options in one place
+
+def test_objective_resolves_eps_high_once_and_is_frozen():
+    assert Objective().eps_high == 0.2 and Objective(eps=0.3).eps_high == 0.3
+    assert Objective(eps_high=0.28).eps_high == 0.28
+    assert dataclasses.replace(Objective(eps_high=0.28), eps=0.25).eps_high == 0.28
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Objective().eps = 0.5  # a change after validation would skip it
+
+
+@pytest.mark.parametrize("loss_type,divisor", [("grpo", None), ("dapo", 3), ("dr_grpo", 2 * 4)])
+def test_grpo_loss_with_an_objective_equals_the_hand_computed_loss(loss_type, divisor):
+    # row 0 (A = +1): ratios 1.5, 0.9, x = ref - logp = 0, ln 2; row 1 (A = -1): ratio 0.5, x = 0, one pad token.
+    # eps 0.2, eps_high 0.28, beta 0.1, k3 = e^x - x - 1:
+    #   l00 = -min(1.5, 1.28) = -1.28 (clipped high)      l01 = -min(0.9, 0.9) + 0.1 (2 - ln 2 - 1)
+    #   l10 = -min(-0.5, -0.8) = 0.8 (clipped low)
+    old = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]], **F64)
+    logp = (old + torch.tensor([[1.5, 0.9], [0.5, 1.0]], **F64).log()).requires_grad_()
+    ref = logp.detach() + torch.tensor([[0.0, math.log(2)], [0.0, 50.0]], **F64)  # 50: padding garbage
+    mask = torch.tensor([[True, True], [True, False]])
+    obj = Objective(beta=0.1, kl_estimator="k3", loss_type=loss_type, eps_high=0.28, max_len=4)
+    loss, m = grpo_loss(logp, old, ref, torch.tensor([1.0, -1.0], **F64), mask, obj)
+    k = 1 - math.log(2)
+    l00, l01, l10 = -1.28, -0.9 + 0.1 * k, 0.8
+    want = ((l00 + l01) / 2 + l10) / 2 if divisor is None else (l00 + l01 + l10) / divisor
+    assert loss.item() == pytest.approx(want, rel=1e-12)
+    # only token 01 is unclipped: d/dlogp of -r A + 0.1 k3 is -0.9 - 0.1 (e^x - 1) = -1, times its weight
+    weight = 1 / 4 if divisor is None else 1 / divisor
+    grad, = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -weight], [0.0, 0.0]], **F64), rtol=0, atol=1e-12)
+    # the clip fractions are counts in fp32 (one rounding: relative error <= 2^-24), the rest fp64
+    f32, f64 = 2**-24, 1e-12
+    want_m = {"clip_low": (1 / 3, f32), "clip_high": (1 / 3, f32), "clip": (2 / 3, f32), "kl": (k / 3, f64),
+              "kl_max": (k, f64), "ratio_mean": (2.9 / 3, f64), "ratio_min": (0.5, f64), "ratio_max": (1.5, f64)}
+    assert {key: pytest.approx(v, rel=r) for key, (v, r) in want_m.items()} == {key: v.item() for key, v in m.items()}
 
 
 def test_docstring_examples():
@@ -554,7 +591,8 @@ def test_docstring_examples():
 # -----------------------------------------------------------------------------
 # bad input
 
-_x, _m = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool)
+_x, _m, _adv = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.zeros(2)
+_NO_KL = Objective(beta=0)
 BAD = [
     (lambda: group_advantages(torch.zeros(7), 4), "divisible by group_size"),
     (lambda: group_advantages(torch.zeros(4), 1), "group_size must be an int >= 2"),
@@ -571,27 +609,37 @@ BAD = [
     (lambda: clipped_surrogate(_x, _x, 0.2, delta=1.1), "delta must be > 1 \\+ eps_high"),
     (lambda: full_kl(torch.zeros(2, 3, 4), torch.zeros(2, 3, 5)), "ref_logits must have shape"),
     (lambda: top_entropy_mask(_x, _m, 0.0), r"top_entropy_quantile must be in \(0, 1\]"),
-    (lambda: grpo_loss(_x, _x[:1], None, torch.zeros(2), _m), "old_logp must have shape"),
-    (lambda: grpo_loss(_x, None, None, torch.zeros(2), _m[:1]), "mask must have shape"),
-    (lambda: grpo_loss(_x, None, None, torch.zeros(3), _m), "advantages must have shape"),
-    (lambda: grpo_loss(_x, None, _x[:1], torch.zeros(2), _m, beta=0.1), "ref_logp must have shape"),
-    (lambda: grpo_loss(_x, None, None, torch.zeros(2), _m, beta=0.1), "ref_logp is required when beta > 0"),
-    (lambda: grpo_loss(_x, None, None, torch.zeros(2), _m, loss_type="mean"), r"loss_type must be one of \("),
-    (lambda: grpo_loss(_x, None, None, torch.zeros(2), _m, kl_estimator="k5"), r"kl_estimator must be one of \("),
-    (lambda: grpo_loss(_x, None, None, torch.zeros(2), _m, importance_level="x"), r"importance_level must be one of"),
-    (lambda: grpo_loss(_x, None, None, torch.zeros(2), _m, entropy_coef=0.1), "entropy is required"),
-    (lambda: grpo_loss(_x, None, None, torch.zeros(2), _m, top_entropy_quantile=0.5), "entropy is required"),
+    (lambda: grpo_loss(_x, _x[:1], None, _adv, _m, _NO_KL), "old_logp must have shape"),
+    (lambda: grpo_loss(_x, None, None, _adv, _m[:1], _NO_KL), "mask must have shape"),
+    (lambda: grpo_loss(_x, None, None, torch.zeros(3), _m, _NO_KL), "advantages must have shape"),
+    (lambda: grpo_loss(_x, None, _x[:1], _adv, _m, Objective()), "ref_logp must have shape"),
+    (lambda: grpo_loss(_x, None, None, _adv, _m, Objective()), "ref_logp is required when beta > 0"),
+    (lambda: grpo_loss(_x, None, None, _adv, _m, Objective(beta=0, entropy_coef=0.1)), "entropy is required"),
+    (lambda: grpo_loss(_x, None, None, _adv, _m, Objective(beta=0, top_entropy_quantile=0.5)), "entropy is required"),
     (lambda: kl_estimate(_x, _x, "full"), "kl_estimator='full' needs logits"),
-    (lambda: grpo_loss(_x, None, None, torch.zeros(2), _m, beta=0.1, kl_estimator="full"), "'full' needs kl="),
-    (lambda: grpo_loss(_x, None, _x, torch.zeros(2), _m, beta=0.1, kl=_x), "kl is read only with kl_estimator='full'"),
-    (lambda: grpo_loss(_x, None, None, torch.zeros(2), _m, kl_estimator="full", kl=_x[:1]), "kl must have shape"),
-    (lambda: grpo_loss(_x, None, None, torch.zeros(2), _m, behaviour_weights=_x[:, :2]), "behaviour_weights must have"),
+    (lambda: grpo_loss(_x, None, None, _adv, _m, Objective(beta=0.1, kl_estimator="full")), "'full' needs kl="),
+    (lambda: grpo_loss(_x, None, _x, _adv, _m, Objective(), kl=_x), "kl is read only with kl_estimator='full'"),
+    (lambda: grpo_loss(_x, None, None, _adv, _m, Objective(beta=0, kl_estimator="full"), kl=_x[:1]),
+     "kl must have shape"),
+    (lambda: grpo_loss(_x, None, None, _adv, _m, _NO_KL, behaviour_weights=_x[:, :2]), "behaviour_weights must have"),
     (lambda: behaviour_weights(_x, _x, _m, "tis"), r"behaviour_mode must be one of \('none', 'token_truncate'"),
     (lambda: behaviour_weights(_x, _x[:1], _m), "sample_logp must have shape"),
     (lambda: behaviour_weights(_x, _x, _m[:1]), "mask must have shape"),
-    (lambda: behaviour_weights(_x, _x, _m, cap=2.0, cap_min=2.0), r"cap_min \(2.0\) must be < cap"),
     (lambda: informative_groups(torch.zeros(5), 2), "divisible by group_size"),
     (lambda: informative_groups(torch.zeros(4, 1), 2), "rewards must have shape"),
+    # Objective: one line naming the flag
+    (lambda: Objective(eps_high=0.1), r"--eps-high 0.1 < --eps 0.2: clip-higher needs eps_high >= eps"),
+    (lambda: Objective(delta=1.1), r"--delta 1.1 must be > 1 \+ eps_high = 1.2"),
+    (lambda: Objective(eps=0.3, delta=1.25), r"--delta 1.25 must be > 1 \+ eps_high = 1.3"),  # resolved eps_high
+    (lambda: Objective(loss_type="mean"), r"--loss-type must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo'\)"),
+    (lambda: Objective(kl_estimator="k5"), r"--kl-estimator must be one of \('k1', 'k2', 'k3', 'k3_clamped', 'full'\)"),
+    (lambda: Objective(importance_level="x"), r"--importance-level must be one of \('token', 'sequence'\), got 'x'"),
+    (lambda: Objective(beta=-0.1), r"--beta -0.1 must be >= 0"),
+    (lambda: Objective(beta=math.nan), r"--beta nan must be >= 0"),
+    (lambda: Objective(eps=1.0, eps_high=1.0), r"--eps 1.0 must be in \[0, 1\)"),
+    (lambda: Objective(entropy_coef=math.inf), r"--entropy-coef inf must be finite"),
+    (lambda: Objective(top_entropy_quantile=0.0), r"--top-entropy-quantile 0.0 must be in \(0, 1\]"),
+    (lambda: Objective(max_len=0), r"--max-new-tokens 0 must be >= 1"),
 ]
 
 
@@ -603,7 +651,7 @@ def test_bad_input_raises_value_error_naming_the_argument(call, message):
 
 def test_beta_zero_needs_no_reference():
     logp, old, _, adv, mask, _ = _batch()
-    loss, m = grpo_loss(logp, old, None, adv, mask, beta=0.0)
+    loss, m = grpo_loss(logp, old, None, adv, mask, Objective(beta=0.0))
     assert torch.isfinite(loss) and "kl" not in m
     # nor does the full-vocabulary estimator need its kl then
-    assert torch.equal(grpo_loss(logp, old, None, adv, mask, kl_estimator="full")[0], loss)
+    assert torch.equal(grpo_loss(logp, old, None, adv, mask, Objective(beta=0, kl_estimator="full"))[0], loss)

@@ -1,14 +1,20 @@
 import doctest
+from fractions import Fraction
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
+from conftest import EOS, VOCAB, make_tokenizer
+from transformers import LlamaConfig, LlamaForSequenceClassification
 
 import rewards
+import tasks
 from rewards import (RewardError, answers_match, combine_rewards, correctness_reward, extract_answer,
                      extract_boxed, extract_flexible, extract_gold, extract_strict, format_reward,
-                     has_final_answer, length_reward, overlong_reward, reward_model_reward)
+                     has_final_answer, overlong_reward)
+
+README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def test_docstring_examples():
@@ -106,12 +112,6 @@ def test_format_needs_a_number_on_the_line():
     assert format_reward(["#### ,", "#### 1,000"]) == [0.0, 1.0]
 
 
-def test_length_reward_chars_or_tokens():
-    fn = length_reward(5)
-    assert fn(["abc", "abcde", "abcdefgh"], answer=["1"] * 3) == [-2.0, 0.0, -3.0]
-    assert fn(["abc", "abcde"], num_tokens=[5, 1]) == [0.0, -4.0]  # tokens win when given
-
-
 def test_overlong_reward_dapo_eq13():
     fn = overlong_reward(48, 16)  # L_max = 48, L_cache = 16: free up to 48 - 16 = 32 tokens
     assert fn.__name__ == "overlong"
@@ -127,9 +127,7 @@ def test_overlong_reward_bad_args(max_len, buffer):
 
 
 def test_overlong_reward_needs_token_counts():
-    with pytest.raises(ValueError, match="needs num_tokens"):
-        overlong_reward(48, 16)(["a"])
-    with pytest.raises(RewardError, match="'overlong' raised ValueError: overlong reward needs num_tokens"):
+    with pytest.raises(RewardError, match="'overlong' raised TypeError: .*missing 1 required .*'num_tokens'"):
         combine_rewards({"overlong": overlong_reward(48, 16)}, {"overlong": 1.0}, ["a"])
 
 
@@ -142,80 +140,13 @@ def test_combine_rewards_total_and_per_fn():
 
 def test_combine_rewards_errors():
     fns = {"correct": correctness_reward, "format": format_reward}
-    with pytest.raises(ValueError, match=r"valid names: \['correct', 'format'\]"):
+    with pytest.raises(ValueError, match=r"weights for \['corect', 'correct', 'format'\], reward fns \['correct', "):
         combine_rewards(fns, {"correct": 1.0, "format": 0.1, "corect": 1.0}, ["#### 1"], answer=["1"])
-    with pytest.raises(ValueError, match="no weight"):
+    with pytest.raises(ValueError, match=r"weights for \['correct'\], reward fns \['correct', 'format'\]; give each"):
         combine_rewards(fns, {"correct": 1.0}, ["#### 1"], answer=["1"])
-    with pytest.raises(RewardError, match="'bad' returned 1 values for 2 completions; return one per"):
-        combine_rewards({"bad": lambda c, **_: [0.0]}, {"bad": 1.0}, ["a", "b"])
-    with pytest.raises(RewardError, match="'bad' returned a NoneType, not a list"):
-        combine_rewards({"bad": lambda c, **_: None}, {"bad": 1.0}, ["a", "b"])
     with pytest.raises(ValueError, match="'answer' has 1 values for 2"):
         combine_rewards(fns, {"correct": 1.0, "format": 0.1}, ["a", "b"], answer=["1"])
 
-# -----------------------------------------------------------------------------
-# reward model wrapper, on a tiny random model and an in-process word-level tokenizer
-
-WORDS = ["<unk>", "<eos>", "<pad>", "the", "answer", "is", "18", "17", "####", "q", ":", "what", "two", "plus"]
-
-
-def tiny_reward_model(pad_token=None):
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>",
-                                        pad_token=pad_token)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=2, num_labels=1)
-    return LlamaForSequenceClassification(config), tokenizer
-
-
-PROMPTS = ["q : what is two plus two ?", "q : what", "q :", "q : two", "q : two plus"]
-ANSWERS = [" the answer is 18", " #### 17", " the answer is the answer is 18 #### 18", " 18", " is"]
-
-
-@torch.no_grad()
-def one_by_one(model, tokenizer, prompts, completions):
-    scores = []
-    for p, c in zip(prompts, completions):
-        ids = torch.tensor([tokenizer(p + c)["input_ids"]])  # (1, T), no padding at all
-        scores.append(model(input_ids=ids).logits[0, 0].item())
-    return scores
-
-
-def test_reward_model_batched_equals_one_by_one():
-    model, tokenizer = tiny_reward_model()  # no pad token: the wrapper falls back to eos
-    fn = reward_model_reward(model, tokenizer, batch_size=3)
-    assert model.config.pad_token_id == tokenizer.eos_token_id
-    batched = fn(ANSWERS, prompt=PROMPTS, answer=["18"] * 5)
-    assert batched == pytest.approx(one_by_one(model, tokenizer, PROMPTS, ANSWERS), abs=1e-5)
-    assert len(set(round(s, 6) for s in batched)) == 5  # the scores really depend on the text
-
-
-def test_reward_model_ignores_tokenizer_padding_side():
-    model, tokenizer = tiny_reward_model(pad_token="<pad>")
-    tokenizer.padding_side = "left"  # a generation setting; must not leak into scoring
-    fn = reward_model_reward(model, tokenizer, batch_size=5)
-    assert model.config.pad_token_id == WORDS.index("<pad>")
-    assert fn(ANSWERS, prompt=PROMPTS) == pytest.approx(one_by_one(model, tokenizer, PROMPTS, ANSWERS), abs=1e-5)
-
-
-def test_reward_model_chat_messages_prompt():
-    model, tokenizer = tiny_reward_model()
-    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} {% endfor %}"
-    fn = reward_model_reward(model, tokenizer, batch_size=2)
-    messages = [[{"role": "user", "content": p}] for p in PROMPTS]
-    as_text = [f"user : {p} " for p in PROMPTS]
-    completions = [f"{a} " for a in ANSWERS]
-    expected = one_by_one(model, tokenizer, [t + "assistant : " for t in as_text], completions)
-    assert fn(completions, prompt=messages) == pytest.approx(expected, abs=1e-5)
-
-
-def test_reward_model_needs_one_label():
-    model, tokenizer = tiny_reward_model()
-    model.config.num_labels = 2
-    with pytest.raises(ValueError, match="num_labels=1"):
-        reward_model_reward(model, tokenizer)
 
 
 def one_line_error(fns, weights, completions, **fields):
@@ -245,13 +176,49 @@ def test_reward_that_raises_only_on_the_batch():
     assert msg.startswith("reward 'solo' raised RuntimeError: too many completions on the batch of 2;")
 
 
-@pytest.mark.parametrize("bad, shown", [(float("nan"), "nan"), (float("-inf"), "-inf"), ("abc", "'abc'"),
-                                        (None, "None")])
-def test_non_finite_reward_value_names_fn_index_and_completion(bad, shown):
+# the reward contract: N finite real numbers, else one line naming the fn (a dict would train on its keys,
+# a str on its characters)
+@pytest.mark.parametrize("raw, what", [
+    ({0: 1.0, 1: 1.0}, "returned a dict, not a list of numbers"),
+    ("11", "returned a str, not a list of numbers"),
+    ({0.0, 1.0}, "returned a set, not a list of numbers"),
+    ((x for x in [1.0, 0.0]), "returned a generator, not a list of numbers"),
+    (None, "returned a NoneType, not a list of numbers"),
+    (1.0, "returned a float, not a list of numbers"),
+    (torch.tensor(1.0), "returned a Tensor, not a list of numbers"),  # 0-dim
+    (np.ones((2, 1)), "returned a ndarray, not a list of numbers"),  # 2-D
+    ([1.0], "returned 1 values for 2 completions"),
+    ((1.0, 0.0, 1.0), "returned 3 values for 2 completions"),
+    (["1", "0"], "gave '1' (str) for completion 0 'a', not a finite number"),
+    (np.array(["1", "0"]), "gave '1' (str) for completion 0 'a', not a finite number"),
+    ([[1.0], [0.0]], "gave [1.0] (list) for completion 0 'a', not a finite number"),
+    ([1.0, None], "gave None (NoneType) for completion 1 'b', not a finite number"),
+    ([1.0, float("nan")], "gave nan (float) for completion 1 'b', not a finite number"),
+    ([float("-inf"), 1.0], "gave -inf (float) for completion 0 'a', not a finite number"),
+    (torch.tensor([1.0, float("inf")]), "gave inf (float) for completion 1 'b', not a finite number"),
+    ([1.0, 1j], "gave 1j (complex) for completion 1 'b', not a finite number"),
+])
+def test_reward_contract_broken_names_the_fn(raw, what):
+    msg = one_line_error({"judge": lambda c, **_: raw}, {"judge": 0.0}, ["a", "b"])  # weight 0 is still checked
+    assert msg == f"reward 'judge' {what}; return a list of 2 numbers"
+
+
+def test_reward_contract_message_shows_a_long_completion_on_one_line():
     long = "line one\n" + "x" * 100
-    msg = one_line_error({"judge": lambda c, **_: [1.0, bad]}, {"judge": 0.0}, ["ok", long])  # weight 0 still checked
-    assert msg == (f"reward 'judge' gave {shown} for completion 1 {long[:60]!r}...; "
-                   "return a finite number for every completion")
+    msg = one_line_error({"judge": lambda c, **_: [1.0, float("nan")]}, {"judge": 1.0}, ["ok", long])
+    assert msg == f"reward 'judge' gave nan (float) for completion 1 {long[:60]!r}..., not a finite number; " \
+                  "return a list of 2 numbers"
+
+
+@pytest.mark.parametrize("raw", [
+    [1, 0.5], (True, 0.5), [np.int64(1), np.float32(0.5)], [np.bool_(True), np.float64(0.5)],
+    [torch.tensor(1), torch.tensor(0.5, dtype=torch.bfloat16)], torch.tensor([1.0, 0.5], requires_grad=True),
+    np.array([1.0, 0.5]), [Fraction(1), Fraction(1, 2)],
+])
+def test_reward_contract_takes_real_numbers(raw):
+    total, per_fn = combine_rewards({"judge": lambda c, **_: raw}, {"judge": 2.0}, ["a", "b"])
+    assert per_fn == {"judge": [1.0, 0.5]} and total == [2.0, 1.0]
+    assert all(type(v) is float for v in per_fn["judge"])  # plain floats, whatever came back
 
 
 @pytest.mark.parametrize("w", [float("nan"), float("inf"), "x", None])
@@ -259,3 +226,53 @@ def test_non_finite_weight_names_it(w):
     fns = {"correct": correctness_reward, "format": format_reward}
     msg = one_line_error(fns, {"correct": 1.0, "format": w}, ["#### 1"], answer=["1"])
     assert msg.startswith(f"weight format={w!r} is not a finite number;")
+
+
+def test_weight_must_be_a_number():
+    fns = {"correct": correctness_reward, "format": format_reward}
+    msg = one_line_error(fns, {"correct": "1.0", "format": 0.1}, ["#### 1"], answer=["1"])
+    assert msg == "weight correct='1.0' is not a finite number; give reward 'correct' a weight like 1.0"
+
+# -----------------------------------------------------------------------------
+# README: a reward model as a reward fn
+
+
+def readme_block(heading):
+    """The ```python block right after the line `heading` of README.md."""
+    lines = README.read_text().splitlines()
+    at = lines.index(heading)
+    start = lines.index("```python", at) + 1
+    assert not any(line.startswith("#") for line in lines[at + 1:start]), f"no python block under {heading!r}"
+    return "\n".join(lines[start:lines.index("```", start)])
+
+
+def tiny_reward_model(num_labels=1):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, num_labels=num_labels)
+    return LlamaForSequenceClassification(cfg).eval()
+
+
+def test_readme_reward_model_scores_each_text_as_if_alone(monkeypatch):
+    tok, rm = make_tokenizer(), tiny_reward_model()
+    assert rm.config.pad_token_id is None  # the block sets it from the tokenizer
+    # the block adds the fn to TASKS["gsm8k"]: it gets a copy with dicts of its own
+    own = {k: t._replace(reward_fns=dict(t.reward_fns), reward_weights=dict(t.reward_weights))
+           for k, t in tasks.TASKS.items()}
+    monkeypatch.setattr(tasks, "TASKS", own)
+    block = {"rm": rm, "rm_tok": tok}
+    exec(readme_block("### A reward model as a reward function"), block)
+    assert rm.config.pad_token_id == EOS
+    prompts = ["w1 w2 w3", "w4", "w5 w6", "w7 w8 w9 w10 w11"]  # 4 to 9 tokens: every row but one is padded
+    completions = [" w12", " w13 w14 w15 w16 w17 w18", " w19", " w20 w21 w22"]
+    task = tasks.TASKS["gsm8k"]
+    total, per_fn = combine_rewards(task.reward_fns, task.reward_weights, completions, prompt=prompts, answer=["1"] * 4)
+    with torch.no_grad():  # each text alone, no padding at all
+        alone = [rm(input_ids=torch.tensor([tok(p + c)["input_ids"]])).logits[0, 0].item()
+                 for p, c in zip(prompts, completions)]
+    # fp32, hidden 32: batched and alone differ only in summation order, ~1e-6 on scores of size ~1
+    assert per_fn["rm"] == pytest.approx(alone, abs=1e-5)
+    assert total == per_fn["rm"]  # weight 1.0; correct and format are 0 here
+    assert min(abs(a - b) for i, a in enumerate(alone) for b in alone[i + 1:]) > 1e-3  # scores depend on the text
+    with pytest.raises(AssertionError, match="num_labels=1"):
+        block["reward_model"](tiny_reward_model(num_labels=2), tok)

