@@ -14,64 +14,34 @@ k = 1, 2, 4, ... N. A checkpoint may be a full fine-tune, a LoRA run (adapters m
 
 import argparse
 import json
-import math
 import os
 import sys
 
 import torch
-from tqdm import tqdm
 
 import run
-from models import DTYPES, check_dtype, load_model, load_tokenizer, resolve_device, resolve_dtype, stop_token_ids
-from rollout import sample
-from tasks import TASKS
+from models import DTYPES, check_dtype, load_model, load_tokenizer, resolve_device, resolve_dtype
+from tasks import TASKS, evaluate, pass_at_k  # noqa: F401 (pass_at_k: eval.pass_at_k)
 
 
-def pass_at_k(n, c, k):
-    """Unbiased pass@k of one problem with c of n samples correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021,
-    arXiv 2107.03374, eq. 1), as the product 1 - prod_{i=n-c+1}^{n} (1 - k/i): no huge binomials."""
-    return 1.0 if n - c < k else 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-@torch.no_grad()
-def evaluate(model, tokenizer, task, examples, max_new_tokens=256, batch_size=32, n=1, temperature=1.0,
-             seed=0, progress=True, dtype=None):
-    """Score `examples` -> (summary, one record per example); n=1 is greedy, n>1 samples n completions
-    each (mean accuracies, pass@k). dtype: sampling's compute dtype. progress: a bar on stderr."""
-    stops = stop_token_ids(tokenizer, model)
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    per_batch = max(1, batch_size // n)
-    records, correct = [], []  # correct: how many of an example's n completions are right
-    with tqdm(total=len(examples), desc="eval", unit="problem", disable=not progress, leave=False,
-              file=sys.stderr) as bar:
-        for i in range(0, len(examples), per_batch):
-            batch = examples[i:i + per_batch]
-            r = sample(model, tokenizer, [task.prompt(ex) for ex in batch], n, max_new_tokens, stops,
-                       temperature=temperature if n > 1 else 0.0, generator=generator, dtype=dtype)
-            for j, ex in enumerate(batch):
-                outs = r.completions[j * n:(j + 1) * n]
-                scores = [task.score(c, ex) for c in outs]
-                correct.append(sum(bool(s["strict"]) for s in scores))
-                records.append({"question": ex["question"], "gold": ex["answer"], "completion": outs[0],
-                                "pred": scores[0]["pred"], "correct": scores[0]["strict"],
-                                **{k: sum(s[k] for s in scores) / n for k in ("strict", "flexible", "format")},
-                                **({"completions": outs} if n > 1 else {})})
-            bar.update(len(batch))
-    m = max(len(records), 1)
-    summary = {"n_examples": len(records), **{name: sum(r[k] for r in records) / m for k, name in
-                                              (("strict", "strict_acc"), ("flexible", "flexible_acc"),
-                                               ("format", "format_rate"))}}
-    ks = sorted({2 ** j for j in range(n.bit_length())} | {n})  # 1, 2, 4, ... up to n, and n
-    if n > 1:
-        summary.update({f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / m for k in ks})
-    return summary, records
+def load_checkpoint(path):
+    """A run dir or its ckpt.pt -> (path, the checkpoint dict); ValueError in one line when unreadable."""
+    path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
+    if not os.path.isfile(path):
+        raise ValueError(f"no checkpoint at {path}; pass a train.py --out-dir or its ckpt.pt")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt["config"]
+    except Exception as e:  # truncated or foreign file
+        raise ValueError(f"checkpoint {path} is unreadable ({type(e).__name__}); pass another one") from None
+    return path, ckpt
 
 
 def load_checkpoint_model(path, device, dtype, merge=True):
     """A train.py checkpoint (ckpt.pt or its run dir) -> (model, tokenizer, the run's flags). A LoRA run's
     adapters are merged into its fp32 base (merge=False: the peft model, fp32); an --fsdp run's DCP shards
     are read by this one process."""
-    path, ckpt = run.load_checkpoint(path)  # ValueError in one line when missing or unreadable
+    path, ckpt = load_checkpoint(path)  # ValueError in one line when missing or unreadable
     cfg, cpu, rank = ckpt["config"], torch.device("cpu"), ckpt["config"].get("lora_rank", 0)
     if "dcp" in ckpt:  # an --fsdp run: fp32 master weights, sharded
         import scale

@@ -7,7 +7,6 @@ A model name can be a Hugging Face hub id, a local HF directory, a `.gguf` file,
 A GGUF file is dequantised once and cached as a bf16 HF folder, which later runs load directly.
 """
 
-import copy
 import hashlib
 import importlib.util
 import os
@@ -29,16 +28,16 @@ class ModelError(ValueError):
     """A model that cannot be found or loaded; the message says what to pass instead."""
 
 
-def resolve_device(name):
-    """'auto' picks cuda, then mps, then cpu; anything else must exist on this machine."""
+def resolve_device(name, local_rank=None):
+    """'auto' picks cuda, then mps, then cpu; anything else must exist here. Under torchrun each process
+    takes the GPU of its local rank."""
     if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda")
-        if torch.backends.mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     try:
         device = torch.device(name)
+        if device.type == "cuda" and local_rank is not None:
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
         torch.zeros(1, device=device)
     except (RuntimeError, AssertionError) as e:
         raise ModelError(f"device '{name}' is not usable here ({e}); use --device auto or cpu") from None
@@ -46,27 +45,24 @@ def resolve_device(name):
 
 
 def native_bf16(device):
-    """Whether bf16 matmuls are native on `device`. CPUs need AVX-512 or AMX for oneDNN's bf16 kernels; an
-    AVX2-only CPU emulates them, several times slower than fp32 (BENCHMARKS.md)."""
-    if device.type == "cuda":  # pre-Ampere GPUs emulate bf16 too
+    """Whether bf16 matmuls are native on `device`: a CPU needs AVX-512 or AMX for oneDNN's bf16 kernels (an
+    AVX2-only CPU emulates them, several times slower than fp32: BENCHMARKS.md); pre-Ampere GPUs emulate too."""
+    if device.type == "cuda":
         return torch.cuda.is_bf16_supported(including_emulation=False)
-    if device.type == "cpu":
-        try:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except (AttributeError, RuntimeError):  # a build without oneDNN
-            return False
-    return True  # mps and others: check_dtype tells
+    try:
+        return device.type != "cpu" or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # a build without oneDNN
+        return False
 
 
 def resolve_dtype(name, device):
     """--dtype -> (torch dtype, a one-line note or None). 'auto' is bf16 where its matmuls are native, else fp32."""
     if name == "auto":
-        if native_bf16(device):
-            return torch.bfloat16, None
-        return torch.float32, f"dtype auto -> float32: {device.type} has no native bf16 matmuls"
+        native = native_bf16(device)
+        return (torch.bfloat16, None) if native else (torch.float32, f"dtype auto -> float32: {device.type} "
+                                                                     "has no native bf16 matmuls")
     if DTYPES[name] == torch.bfloat16 and not native_bf16(device):
-        why = " (no AVX-512/AMX)" if device.type == "cpu" else ""
-        return torch.bfloat16, (f"note: {device.type} has no native bf16 matmuls{why}: bfloat16 runs emulated, "
+        return torch.bfloat16, (f"note: {device.type} has no native bf16 matmuls: bfloat16 runs emulated, "
                                 "several times slower than --dtype float32 or auto")
     return DTYPES[name], None
 
@@ -173,16 +169,3 @@ def stop_token_ids(tokenizer, model):
     eos = getattr(gen, "eos_token_id", None) if gen is not None else None
     ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
     return sorted(i for i in ids if i is not None)
-
-
-def plain_copy(config, state_dict, dtype, generation_config=None):
-    """A plain transformers model of `config` holding `state_dict` cast to `dtype`, for save_pretrained:
-    built on the meta device (no random init, no copy of the weights beyond the cast), so buffers that
-    are not saved (rotary tables) stay unmaterialised."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
-    model.load_state_dict({k: v.to(dtype) for k, v in state_dict.items()}, assign=True)
-    model.tie_weights()  # tied keys were assigned one by one: make them one tensor again
-    if generation_config is not None:
-        model.generation_config = copy.deepcopy(generation_config)
-    return model

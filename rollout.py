@@ -1,14 +1,10 @@
 """
-Sampling G completions per prompt, and teacher-forced log-probs of the sampled tokens.
-
-Everything runs through the model's own modules: the decode loop calls `model(...)` with transformers' KV
-cache; the log-prob pass calls the model's decoder and its `lm_head`. A fork's LoRA, hook or swapped layer
-is what runs. Conventions used everywhere in this repo:
-- rows are grouped contiguously: prompt i owns rows i*G ... i*G+G-1;
-- prompts are left-padded, completions right-padded; position_ids = cumsum(attention_mask) - 1;
-- completion_mask covers the completion up to AND including the first stop token, found by position,
-  never from pad_token_id (SmolLM2 has pad == eos: a pad-based mask would drop the EOS token and the
-  model would never learn to stop).
+Sampling G completions per prompt, and teacher-forced log-probs of the sampled tokens, all through the model's
+own modules: `model(...)` with transformers' KV cache to sample, its decoder and `lm_head` for log-probs, so a
+fork's LoRA, hook or swapped layer is what runs. Conventions: rows are grouped contiguously (prompt i owns rows
+i*G ... i*G+G-1); prompts are left-padded, completions right-padded; position_ids = cumsum(attention_mask) - 1;
+completion_mask covers the completion up to AND including the first stop token, found by position, never from
+pad_token_id (SmolLM2's pad is its EOS: a pad-based mask would drop the EOS, and the model never learns to stop).
 """
 
 from contextlib import contextmanager, nullcontext
@@ -198,11 +194,10 @@ def micro_batches(r, size):
 
 
 def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False, ref=None):
-    """Log-prob of each target under the `lm_head` module, a chunk of rows at a time: hidden (n, H),
-    targets (n,) -> logp (n,), entropy (n,) or None, kl (n,) or None. Each chunk's (chunk, V) logits are
-    made, used and dropped; under autograd each chunk is checkpointed, so backward keeps only `hidden`
-    and calls the head again: no (n, V) fp32 tensor ever exists. ref = (ref_lm_head, ref_hidden (n, H)):
-    also the exact KL(pi || pi_ref) over the vocabulary (grpo.full_kl), the reference's logits made alike."""
+    """Log-prob of each target under the `lm_head` module: hidden (n, H), targets (n,) -> logp (n,), entropy (n,)
+    or None, kl (n,) or None. A chunk's (chunk, V) logits are made, used and dropped, and checkpointed under
+    autograd (backward calls the head again): no (n, V) fp32 tensor exists. ref = (ref_lm_head, ref_hidden
+    (n, H)): the exact KL(pi || pi_ref) over the vocabulary too (grpo.full_kl)."""
     size = max(16, (64 << 20) // (4 * lm_head.weight.size(0)))  # a chunk's fp32 logits stay under 64 MiB
 
     def chunk(h, t, h_ref):
@@ -214,7 +209,7 @@ def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False,
         if h_ref is not None:
             with torch.no_grad():
                 z_ref = ref[0](h_ref).float() / temperature  # (n_c, V)
-            kl = grpo.full_kl(z[None], z_ref[None], chunk_size=z.size(0))[0]
+            kl = grpo.full_kl(z, z_ref)
         return logp, ent, kl
 
     out, grad = [], torch.is_grad_enabled() and hidden.requires_grad

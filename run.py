@@ -1,16 +1,12 @@
 """
-What a run owns: its flags, its directory, its checkpoints, its metrics log and its export.
-
-- Flags: argparse defaults < config files (`name = literal` lines, read as data with `ast`, never run; or
-  inline `--config name=value`) < the command line; every value checked for type and range before
-  anything loads. `--resume DIR` puts the checkpoint's flags under the config files and the command line.
-- The directory: a run holds `run.json` (its resolved flags), `metrics.jsonl`, `ckpt.pt`, `hf/`; it writes
-  nothing into a directory that holds anything else, deletes only its own files, and holds `.lock` while
-  it runs, so two runs never share a directory.
-- Files are written whole or not at all: a temp file renamed into place; a kill leaves the last good one.
+What a run owns: its flags (defaults < config files < the command line, each value checked before anything
+loads), its directory (`run.json`, `metrics.jsonl`, `ckpt.pt`, `hf/`, locked while it runs; nothing else there
+is written or deleted), its checkpoints and its export, each written whole or not at all: a temp file renamed
+into place, so a kill leaves the last good one.
 """
 
 import ast
+import copy
 import fcntl
 import json
 import math
@@ -20,12 +16,13 @@ import shutil
 import signal
 import sys
 import tempfile
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
+from transformers import AutoModelForCausalLM
 
 OWN = ("run.json", "metrics.jsonl", "ckpt.pt", "ckpt.pt.tmp", "tensorboard", "wandb", "hf")  # + dcp-*, .hf.*
 EXPORT_MARK = ".grpo-export"  # in hf/: the folder is a run's export, which a later export may replace
@@ -36,27 +33,33 @@ IDENTITY = ("model", "task", "data_dir", "lora_rank", "fsdp", "seed")  # what --
 
 
 def _config(p, spec, keys):
-    """A config file, or an inline `name=value` (a bare word is a string) -> {name: value}, or one p.error line."""
-    inline = "=" in spec and not os.path.isfile(spec)
-    try:
-        with open(spec, encoding="utf-8") if not inline else nullcontext(None) as f:
-            tree = ast.parse(spec if inline else f.read(), spec)
-    except (OSError, SyntaxError, UnicodeDecodeError, ValueError) as e:
-        p.error(f"cannot read config {spec} ({type(e).__name__}); pass a file of `name = value` lines or name=value")
-    cfg = {}
-    for node in tree.body:
-        where = "--config" if inline else f"{spec}:{node.lineno}"
-        if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
-            p.error(f"{where}: only `name = value` lines are allowed")
-        name = node.targets[0].id
+    """A config file, or an inline `name=value` (a value that is no literal is a string) -> {name: value}; a
+    mistake is one p.error line."""
+    if "=" in spec and not os.path.isfile(spec):
+        name, _, text = (x.strip() for x in spec.partition("="))
+        try:
+            lines = [(name, ast.literal_eval(text), f"--config {spec}")]
+        except (ValueError, SyntaxError):
+            lines = [(name, text, f"--config {spec}")]
+    else:
+        try:
+            with open(spec, encoding="utf-8") as f:
+                tree = ast.parse(f.read(), spec)
+        except (OSError, SyntaxError, UnicodeDecodeError, ValueError) as e:
+            p.error(f"cannot read config {spec} ({type(e).__name__}); pass a file of `name = value` lines or name=value")
+        lines = []
+        for node in tree.body:
+            if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
+                p.error(f"{spec}:{node.lineno}: only `name = value` lines are allowed")
+            try:
+                lines.append((node.targets[0].id, ast.literal_eval(node.value), f"{spec}:{node.lineno}"))
+            except ValueError:
+                p.error(f"{spec}:{node.lineno}: the value of '{node.targets[0].id}' must be a literal")
+    for name, _, where in lines:
         if name not in keys:
             p.error(f"{where}: unknown key '{name}'; keys are the flags with _ for - (e.g. group_size) and the "
                     "config-only ones listed in train.py")
-        try:
-            cfg[name] = node.value.id if inline and isinstance(node.value, ast.Name) else ast.literal_eval(node.value)
-        except ValueError:
-            p.error(f"{where}: the value of '{name}' must be a literal")
-    return cfg
+    return {name: value for name, value, _ in lines}
 
 
 def parse(p, ranges, constants, argv=None):
@@ -78,10 +81,11 @@ def parse(p, ranges, constants, argv=None):
         values["out_dir"] = os.path.dirname(os.path.abspath(ckpt_path))
     for c in configs:  # a base config, then an ablation that changes two lines of it
         values.update(c)
+    nullable = {a.dest for a in p._actions if a.default is None}  # before config files set defaults
     p.set_defaults(**{k: v for k, v in values.items() if k in flags})
     args = p.parse_args(argv)
     vars(args).update({k: values[k] for k in constants}, resume=resume)
-    check(p, args, ranges, constants)
+    check(p, args, ranges, constants, nullable)
     if resume:
         if os.path.abspath(args.out_dir) != os.path.dirname(os.path.abspath(ckpt_path)):
             p.error(f"--resume continues a run in its own directory ({os.path.dirname(ckpt_path)}): drop --out-dir")
@@ -91,9 +95,14 @@ def parse(p, ranges, constants, argv=None):
             p.error(f"--resume {resume}: the checkpoint is at step {done}; pass --steps > {done} to train further")
         for k in IDENTITY:
             if k in saved and saved[k] != getattr(args, k):
-                p.error(f"--resume {resume}: the run was trained with {k}={saved[k]!r}, not {getattr(args, k)!r}; "
-                        f"resuming would mix two runs: drop that flag or start a new --out-dir")
+                p.error(f"--resume {resume}: the run was trained with --{k.replace('_', '-')} {saved[k]!r}, not "
+                        f"{getattr(args, k)!r}; resuming would mix two runs: drop that flag or start a new --out-dir")
     return args, ckpt_path
+
+
+KINDS = {bool: (lambda v: isinstance(v, bool), "True or False"), int: (lambda v: type(v) is int, "an integer"),
+         float: (lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number"),
+         str: (lambda v: isinstance(v, str), "a string")}
 
 
 def _in_range(v, spec):
@@ -102,17 +111,7 @@ def _in_range(v, spec):
         lo, hi = (float(x) for x in spec[1:-1].split(","))
         return (lo < v if spec[0] == "(" else lo <= v) and (v < hi if spec[-1] == ")" else v <= hi)
     op, bound = spec.split()
-    return {">": v > float(bound), ">=": v >= float(bound)}[op]
-
-
-def _is(v, kind):
-    if kind is bool:
-        return isinstance(v, bool)
-    if kind is int:
-        return isinstance(v, int) and not isinstance(v, bool)
-    if kind is float:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-    return isinstance(v, str)
+    return v > float(bound) if op == ">" else v >= float(bound)
 
 
 def check(p, args, ranges, constants=None, nullable=None):
@@ -124,19 +123,21 @@ def check(p, args, ranges, constants=None, nullable=None):
                spec if isinstance(spec, str) else None, False) for k, (d, spec) in (constants or {}).items()]
     for dest, flag, kind, choices, spec, can_be_none in items:
         v = getattr(args, dest)
-        if v is None:
-            if not can_be_none:
-                p.error(f"{flag} needs a value, got None")
-            continue
-        if not _is(v, kind):
-            p.error(f"{flag} must be {({int: 'an integer', float: 'a finite number', bool: 'True or False'}).get(kind, 'a string')}, got {v!r}")
-        if choices is not None and v not in choices:
+        if v is None and not can_be_none:
+            p.error(f"{flag} needs a value, got None")
+        elif v is not None and not KINDS[kind][0](v):
+            p.error(f"{flag} must be {KINDS[kind][1]}, got {v!r}")
+        elif v is not None and choices is not None and v not in choices:
             p.error(f"{flag} {v!r}: choose from {sorted(choices)}")
-        if spec and not _in_range(v, spec):
+        elif v is not None and spec and not _in_range(v, spec):
             p.error(f"{flag} must be {spec}, got {v!r}")
+
 
 # -----------------------------------------------------------------------------
 # the directory
+
+
+HELD = []  # the locks this process holds (a test running train.py in process releases them)
 
 
 def claim(out_dir, resume, overwrite):
@@ -164,6 +165,7 @@ def claim(out_dir, resume, overwrite):
     except OSError:
         lock.close()
         return None, f"--out-dir {out_dir} is in use by another running train.py: wait for it or pass another --out-dir"
+    HELD.append(lock)
     if is_run and overwrite:  # only what a run writes; a user's file there stays
         for f in os.listdir(out_dir):
             path = os.path.join(out_dir, f)
@@ -192,9 +194,9 @@ def read_jsonl(path):
 
 
 @contextmanager
-def interruptible(out_dir):
-    """Ctrl-C or SIGTERM ends the run in one line that says where its last checkpoint is; files written
-    whole or not at all stay as they were."""
+def interruptible(out_dir, steps):
+    """Ctrl-C or SIGTERM ends the run in one line that says where its last checkpoint is and how to go on;
+    files written whole or not at all stay as they were."""
     signal.signal(signal.SIGTERM, lambda sig, frame: (_ for _ in ()).throw(KeyboardInterrupt("SIGTERM")))
     try:
         yield
@@ -202,11 +204,14 @@ def interruptible(out_dir):
         ckpt = os.path.join(out_dir, "ckpt.pt")
         try:
             step = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False)["step"]
-            where = f"the last checkpoint is {ckpt} (step {step}): python train.py --resume {out_dir} continues"
+            go_on = f"python train.py --resume {out_dir} continues" if step < steps else \
+                f"python eval.py --ckpt {out_dir} --export DIR exports it"
+            where = f"the last checkpoint is {ckpt} (step {step}): {go_on}"
         except Exception:
             where = f"no checkpoint was written; python train.py --out-dir {out_dir} --overwrite starts again"
         print(f"error: interrupted; {where}", file=sys.stderr)
         sys.exit(143 if str(e) == "SIGTERM" else 130)
+
 
 # -----------------------------------------------------------------------------
 # checkpoints
@@ -229,26 +234,20 @@ def save(state, path):
 
 
 def save_run(out_dir, step, config, policy, optimizer, scheduler, scaler, ref=None, rank=0, world=1):
-    """The run's state after `step`, every rank's RNG included -> None, or why it could not be written.
-    ckpt.pt holds the weights (LoRA: the adapters) and `ref` when given; a sharded (FSDP2) run writes each
-    rank's shards into dcp-<step>/ (DCP), which ckpt.pt names."""
-    state = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "step": step, "config": config,
-             "ref": None if ref is None else ref.state_dict()}
-    plain = not (hasattr(policy, "unshard") or hasattr(policy, "peft_config"))  # else: LoRA or FSDP2 (scale.py)
-    if not plain:
-        import scale
-    if hasattr(policy, "unshard"):
-        state["dcp"], failed = scale.save_dcp(policy, optimizer, out_dir, step)
-        if failed:
-            return failed
-    else:
-        state.update(model=policy.state_dict() if plain else scale.trainable_state(policy),
-                     optimizer=optimizer.state_dict())
+    """The run's state after `step`, every rank's RNG and `ref` (when given) included -> None, or why it could
+    not be written. A LoRA or FSDP2 policy saves its own part (scale.py: the adapters; DCP shards)."""
     rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    state["rng"] = [None] * world
-    dist.all_gather_object(state["rng"], rng) if world > 1 else state["rng"].__setitem__(0, rng)
-    failed = None if rank else save(state, os.path.join(out_dir, "ckpt.pt"))
-    if "dcp" in state and not failed and not rank:
+    state = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "step": step, "config": config,
+             "ref": None if ref is None else ref.state_dict(), "rng": [rng] * world}
+    if world > 1:
+        dist.all_gather_object(state["rng"], rng)
+    if hasattr(policy, "unshard") or hasattr(policy, "peft_config"):
+        import scale
+        failed = scale.save_state(state, policy, optimizer, out_dir, step)
+    else:
+        failed = state.update(model=policy.state_dict(), optimizer=optimizer.state_dict())
+    failed = failed or (None if rank else save(state, os.path.join(out_dir, "ckpt.pt")))
+    if "dcp" in state and not failed and not rank:  # the older shards, now that ckpt.pt names the new ones
         scale.remove_old_dcp(out_dir, keep=state["dcp"])
     return failed
 
@@ -258,13 +257,9 @@ def restore(path, policy, optimizer, scheduler, scaler, ref=None, rank=0):
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     if hasattr(policy, "unshard") or hasattr(policy, "peft_config"):
         import scale
-    if "dcp" in ckpt:
-        scale.load_dcp(os.path.join(os.path.dirname(path), ckpt["dcp"]), policy, optimizer)
-    elif hasattr(policy, "peft_config"):
-        scale.load_trainable_state(policy, ckpt["model"])
+        scale.load_state(ckpt, os.path.dirname(path), policy, optimizer)
     else:
         policy.load_state_dict(ckpt["model"])
-    if "dcp" not in ckpt:
         optimizer.load_state_dict(ckpt["optimizer"])
     scheduler.load_state_dict(ckpt["scheduler"])
     scaler.load_state_dict(ckpt["scaler"])
@@ -274,18 +269,6 @@ def restore(path, policy, optimizer, scheduler, scaler, ref=None, rank=0):
     torch.set_rng_state(rng["torch"]), random.setstate(rng["python"]), np.random.set_state(rng["numpy"])
     return ckpt["step"]
 
-
-def load_checkpoint(path):
-    """A run dir or its ckpt.pt -> (path, the checkpoint dict); ValueError in one line when unreadable."""
-    path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
-    if not os.path.isfile(path):
-        raise ValueError(f"no checkpoint at {path}; pass a train.py --out-dir or its ckpt.pt")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        ckpt["config"]
-    except Exception as e:  # truncated or foreign file
-        raise ValueError(f"checkpoint {path} is unreadable ({type(e).__name__}); pass another one") from None
-    return path, ckpt
 
 # -----------------------------------------------------------------------------
 # the metrics log and the export
@@ -302,16 +285,10 @@ class MetricsLog:
             with open(self.path + ".tmp", "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
             os.replace(self.path + ".tmp", self.path)
-        self.file = open(self.path, "a")
-        self.tb = self.wandb = None
-        self.streak = {}
-        if tracker == "tensorboard":
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=resume_step or None)
-        elif tracker == "wandb":  # WANDB_MODE=offline keeps it on this machine
-            import wandb
-            self.wandb = wandb.init(project=os.environ.get("WANDB_PROJECT", "grpo-mini"), config=config,
-                                    dir=out_dir, name=os.path.basename(os.path.abspath(out_dir)), resume="allow")
+        self.file, self.streak, self.tracker = open(self.path, "a"), {}, None
+        if tracker != "none":  # TensorBoard or W&B: (log, close), from scale.py
+            import scale
+            self.tracker = scale.tracker(tracker, out_dir, config, resume_step)
 
     def write(self, row):
         """One row; a training row's KL to the reference, or p99 gap to the sampler, above 1 (far above a
@@ -324,16 +301,12 @@ class MetricsLog:
         row = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
-        scalars = {k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}
-        for k, v in scalars.items() if self.tb is not None else ():
-            self.tb.add_scalar(k, v, row["step"])
-        if self.wandb is not None:
-            self.wandb.log(scalars, step=row["step"])
+        if self.tracker is not None:
+            self.tracker[0]({k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}, step=row["step"])
 
     def close(self):
         self.file.close()
-        self.tb.close() if self.tb is not None else None
-        self.wandb.finish() if self.wandb is not None else None
+        self.tracker[1]() if self.tracker is not None else None
 
 
 def export_hf(model, tokenizer, path, dtype, adapter=False, state_dict=None):
@@ -341,7 +314,6 @@ def export_hf(model, tokenizer, path, dtype, adapter=False, state_dict=None):
     could not (the previous export kept). Weights in `dtype`; a LoRA model merged into its base first
     (peft's merge_and_unload, in place), or with adapter=True saved as a peft adapter folder. state_dict:
     a sharded model's gathered weights. Written into a temp directory beside path, then renamed."""
-    from models import plain_copy
     parent = os.path.dirname(os.path.abspath(path))
     tmp = old = None
     try:
@@ -352,8 +324,13 @@ def export_hf(model, tokenizer, path, dtype, adapter=False, state_dict=None):
         else:
             if hasattr(model, "merge_and_unload"):
                 model, state_dict = model.merge_and_unload(), None
-            plain_copy(model.config, model.state_dict() if state_dict is None else state_dict, dtype,
-                       model.generation_config).save_pretrained(tmp)
+            with torch.device("meta"):  # a plain model of the weights in `dtype`: no random init, no extra copy
+                plain = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=dtype)
+            weights = model.state_dict() if state_dict is None else state_dict
+            plain.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True)
+            plain.tie_weights()  # tied keys were assigned one by one: one tensor again
+            plain.generation_config = copy.deepcopy(model.generation_config)
+            plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         open(os.path.join(tmp, EXPORT_MARK), "w").close()
         os.chmod(tmp, 0o755)  # mkdtemp makes it private

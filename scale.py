@@ -1,7 +1,7 @@
 """
-What a run needs only past one device: LoRA adapters (peft, --lora-rank), gradient averaging over torchrun's
-processes, and FSDP2 sharding with DCP checkpoints (--fsdp). train.py imports this file only when one of
-them is asked for.
+What a run needs only when asked: LoRA adapters (peft, --lora-rank), gradient averaging over torchrun's
+processes, FSDP2 sharding with DCP checkpoints (--fsdp), and a tracker (--log-to). Nothing imports this file
+otherwise.
 
 Each rank owns whole groups of completions, so a step is the same computation on 1 or N processes, up to
 the order of fp32 sums. FSDP2 layout (`shard`): one unit per decoder layer, and the root, which keeps the
@@ -72,6 +72,19 @@ def average_gradients(params, world):
             q.grad.div_(world)
 
 
+def all_reduce(x, op="mean"):
+    """Mean / max / min over ranks of a float tensor."""
+    dist.all_reduce(x, {"mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+    return x / dist.get_world_size() if op == "mean" else x
+
+
+def all_gather(x):
+    """Every rank's x (n, ...) -> (world * n, ...), in rank order."""
+    everyone = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, x)
+    return torch.cat(everyone)
+
+
 def shard(model, device, dtype):
     """Shard `model` in place over all ranks (FSDP2): parameters gathered in `dtype` for compute, fp32
     master shards, gradients reduced in fp32. The model may sit on the CPU: each rank moves its shards."""
@@ -121,7 +134,24 @@ def full_state_dict(model):
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 # -----------------------------------------------------------------------------
-# DCP checkpoints of a sharded run: each rank writes and reads its own shards
+# checkpoints: a LoRA run keeps its adapters; a sharded run its DCP shards, each rank its own
+
+
+def save_state(state, policy, optimizer, out_dir, step):
+    """Add this policy's part to a checkpoint's `state` (run.save_run) -> None or a one-line reason it failed.
+    FSDP2: every rank writes its shards of model and optimizer into out_dir/dcp-<step>, which state names."""
+    if not hasattr(policy, "unshard"):
+        return state.update(model=trainable_state(policy), optimizer=optimizer.state_dict())
+    state["dcp"], failed = save_dcp(policy, optimizer, out_dir, step)
+    return failed
+
+
+def load_state(ckpt, run_dir, policy, optimizer):
+    if "dcp" in ckpt:
+        return load_dcp(os.path.join(run_dir, ckpt["dcp"]), policy, optimizer)
+    load_trainable_state(policy, ckpt["model"])
+    optimizer.load_state_dict(ckpt["optimizer"])
+
 
 
 def save_dcp(model, optimizer, out_dir, step):
@@ -169,3 +199,23 @@ def load_dcp(path, model, optimizer=None):
     state = {"model": model_state, "optim": optim_state}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+# -----------------------------------------------------------------------------
+# --log-to: the metrics also to TensorBoard or Weights & Biases (WANDB_MODE=offline keeps them on this machine)
+
+
+def tracker(name, out_dir, config, resume_step=0):
+    """-> (log(scalars, step=), close())."""
+    if name == "tensorboard":
+        from torch.utils.tensorboard import SummaryWriter
+        tb = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=resume_step or None)
+
+        def log(scalars, step):
+            for k, v in scalars.items():
+                tb.add_scalar(k, v, step)
+            tb.flush()
+        return log, tb.close
+    import wandb
+    w = wandb.init(project=os.environ.get("WANDB_PROJECT", "grpo-mini"), config=config, dir=out_dir,
+                   name=os.path.basename(os.path.abspath(out_dir)), resume="allow")
+    return w.log, w.finish

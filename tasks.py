@@ -1,29 +1,32 @@
-"""
-Tasks: where examples come from, how they are put to the model, how answers are scored; `TASKS` maps a name to
-a `Task`. To add one: a `load`, a system prompt, reward fns from rewards.py, a line in `TASKS`.
+"""Tasks: where examples come from, how they are put to the model, how answers are scored; `TASKS` maps a name to a
+`Task`. To add one: a `load`, a system prompt, reward fns from rewards.py, a line in `TASKS`. `evaluate` scores a
+model on a task (train.py's evals, eval.py).
 - gsm8k: grade-school math (Cobbe et al. 2021, github.com/openai/grade-school-math).
 - arith: generated "What is 7 + 5?": SmolLM2-135M-Instruct often knows the sum but rarely writes the strict
   `#### N` line, so a 135M model shows learning on a CPU in minutes (README: results).
-- arith_steps: generated "What is 3 + 4 * 2 - 5?", a reward per line for process supervision (DeepSeekMath §4.1.3).
-"""
+- arith_steps: generated "What is 3 + 4 * 2 - 5?", a reward per line for process supervision (DeepSeekMath §4.1.3)."""
 
 import hashlib
 import json
+import math
 import os
 import random
 import re
 import tempfile
 import urllib.request
+from bisect import bisect_left
 from functools import partial
 from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
+from tqdm import tqdm
 
+from models import stop_token_ids
 from rewards import (answers_match, correctness_reward, extract_answer, extract_flexible, extract_gold,
                      format_reward, has_final_answer)
+from rollout import sample
 
-# -----------------------------------------------------------------------------
 # prompts: the one place to edit what the model is told. short: a 135M model reads it.
 
 SYSTEM_PROMPT = ("Solve the problem step by step. Then give the final answer on its own "
@@ -49,8 +52,7 @@ class Task(NamedTuple):
     reward_fns: dict          # name -> fn(completions, **fields) -> list[float]
     reward_weights: dict      # name -> default weight (train.py --reward-weights overrides by name)
     score: Callable           # score(completion, example) -> dict for eval.py
-    # step_rewards(completion, example) -> [(char_end, reward), ...] per step: process supervision (step_positions)
-    step_rewards: Callable | None = None
+    step_rewards: Callable | None = None  # (completion, example) -> [(char_end, reward), ...]: see step_positions
 
 
 def _check(split, ops="+", n=None):  # the loaders' checks -> n, by default 200 test / 10,000 train problems
@@ -59,9 +61,6 @@ def _check(split, ops="+", n=None):  # the loaders' checks -> n, by default 200 
     if not ops or set(ops) - set("+-*"):
         raise ValueError(f"unknown arith operator(s) {sorted(set(ops) - set('+-*'))}; use a string of +-*, e.g. '+-'")
     return n if n is not None else (200 if split == "test" else 10_000)
-
-# -----------------------------------------------------------------------------
-# gsm8k
 
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
 GSM8K_SHA256 = {"train": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
@@ -88,68 +87,51 @@ def load_gsm8k(split, data_dir=None):
         if (got := hashlib.sha256(data).hexdigest()) != GSM8K_SHA256[split]:
             raise DataError(f"downloaded {url} has sha256 {got}, expected {GSM8K_SHA256[split]}; {GSM8K_HINT}")
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".part")  # a name of its own: ranks may download at once
-        with os.fdopen(fd, "wb") as f:
+        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".part", delete=False) as f:  # ranks may race
             f.write(data)
-        os.replace(tmp, path)  # atomic: a reader never sees half a file
-    return _read_jsonl(path)
-
-
-def _read_jsonl(path):
+        os.replace(f.name, path)  # atomic: a reader never sees half a file
     examples = []
-    with open(path, "rb") as f:  # bytes, so a bad byte is reported with its line number
-        for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}:"
-            try:
-                line = raw.decode("utf-8-sig")  # -sig: a file saved with a BOM reads the same
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where} byte {raw[e.start]:#04x} is not UTF-8; save the file as UTF-8") from None
-            if not line.strip():
-                continue
-            try:
+    for lineno, raw in enumerate(path.read_bytes().split(b"\n"), 1):  # bytes: a bad byte is reported with its line
+        try:
+            if (line := raw.decode("utf-8-sig")).strip():  # -sig: a file saved with a BOM reads the same
                 row = json.loads(line)
                 question, solution = row["question"], row["answer"]
-                gold = extract_gold(solution)
                 if not isinstance(question, str) or not question.strip():
                     raise ValueError(f"'question' must be a non-empty string, got {question!r:.40}")
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where} not valid JSON ({e.msg})") from None
-            except (KeyError, TypeError) as e:
-                raise DataError(f"{where} expected an object with 'question' and 'answer' ({e!r})") from None
-            except ValueError as e:
-                raise DataError(f"{where} {e}; fix or remove the line") from None
-            examples.append({"question": question, "answer": gold, "solution": solution})
+                examples.append({"question": question, "answer": extract_gold(solution), "solution": solution})
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}:{lineno}: byte {raw[e.start]:#04x} is not UTF-8; save the file as UTF-8") from None
+        except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError too
+            why = (f"not valid JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else
+                   str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+            raise DataError(f"{path}:{lineno}: {why}; expected a JSON object with 'question' and 'answer' ending in "
+                            "'#### <number>'") from None
     if not examples:
         raise DataError(f"no examples in {path}; {GSM8K_HINT}")
     return examples
 
 # -----------------------------------------------------------------------------
-# arith and arith_steps: generated, split by a hash of the problem
+# arith and arith_steps: generated, split by a hash of the problem; arith_steps' reward per step
 
 ARITH_DIGITS, ARITH_OPS = 1, "+-*"  # default difficulty: within reach of a 135M model, whose gain is mostly format
-# share of the problem space that is test-only: 80%, so the default space (255 problems) holds >= 200
-# held-out ones; training sees the other ~51 and must generalise
-ARITH_TEST_PERCENT = 80
+ARITH_TEST_PERCENT = 80  # test-only share: the default 255 problems hold >= 200 held-out, train ~51: must generalise
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
-def _is_test(*problem):
-    """Fixed split by a hash of the problem, e.g. (7, "+", 5): no test problem is ever in train, whatever n or seed."""
+def _is_test(*problem):  # a fixed split by a hash of the problem, e.g. (7, "+", 5): whatever n or seed
     h = hashlib.sha256("".join(map(str, problem)).encode()).digest()
     return int.from_bytes(h[:4], "little") % 100 < ARITH_TEST_PERCENT
 
 
-def _sample_split(space, split, n, rng):
-    """n distinct problems of `split` from an enumerated space, in rng's order."""
+def _sample_split(space, split, n, rng):  # n distinct problems of `split` from an enumerated space, in rng's order
     pool = [p for p in space if _is_test(*p) == (split == "test")]
     return rng.sample(pool, min(n, len(pool)))
 
 
 def load_arith(split, data_dir=None, n=None, digits=ARITH_DIGITS, ops=ARITH_OPS, seed=0):
     """n distinct problems {"question": "What is 7 + 5?", "answer": "12"}: operands of up to `digits` digits,
-    operators from `ops`, for "-" a >= b (answers never negative). n defaults to 200 (test) / 10,000 (train),
-    capped at the split's size (one-digit sums: 20 train, 80 test; the train loop cycles). `seed` picks which
-    problems and their order, never the split. data_dir is ignored."""
+    operators from `ops`, for "-" a >= b (answers never negative); n is capped at the split's size (the train
+    loop cycles). `seed` picks which problems and their order, never the split. data_dir is ignored."""
     n = _check(split, ops, n)
     if digits < 1:
         raise ValueError(f"digits must be >= 1, got {digits}")
@@ -157,21 +139,19 @@ def load_arith(split, data_dir=None, n=None, digits=ARITH_DIGITS, ops=ARITH_OPS,
     if len(ops) * (hi + 1) ** 2 <= 100_000:  # small space: enumerate it, so the cap is exact
         space = [(a, op, b) for op in ops for a in range(hi + 1) for b in range(hi + 1) if not (op == "-" and a < b)]
         problems = _sample_split(space, split, n, rng)
-    else:  # huge space: draw at random, repeats are rare and skipped
-        problems, seen = [], set()
-        for _ in range(50 * n):  # bounded, in case n is near the split's size
+    else:  # huge space: draw at random, 50 * n draws at most (n may be near the split's size)
+        problems = {}  # a dict: repeats skipped, drawing order kept
+        for _ in range(50 * n):
+            a, op, b = rng.randint(0, hi), rng.choice(ops), rng.randint(0, hi)
+            p = (b, op, a) if op == "-" and a < b else (a, op, b)
+            if _is_test(*p) == (split == "test"):
+                problems[p] = None
             if len(problems) == n:
                 break
-            a, op, b = rng.randint(0, hi), rng.choice(ops), rng.randint(0, hi)
-            a, b = (b, a) if op == "-" and a < b else (a, b)
-            if (a, op, b) not in seen and _is_test(a, op, b) == (split == "test"):
-                seen.add((a, op, b))
-                problems.append((a, op, b))
     return [{"question": f"What is {a} {op} {b}?", "answer": str(OPS[op](a, b))} for a, op, b in problems]
 
 
-def _evaluate(a, op1, b, op2, c):
-    """a op1 b op2 c with the usual precedence: `*` first, then left to right."""
+def _evaluate(a, op1, b, op2, c):  # a op1 b op2 c with the usual precedence: `*` first, then left to right
     return OPS[op1](a, b * c) if op2 == "*" and op1 != "*" else OPS[op2](OPS[op1](a, b), c)
 
 
@@ -183,8 +163,6 @@ def load_arith_steps(split, data_dir=None, n=None, ops=ARITH_OPS, seed=0):
     return [{"question": "What is {} {} {} {} {}?".format(*p), "answer": str(_evaluate(*p))}
             for p in _sample_split(space, split, n, random.Random(seed))]
 
-# -----------------------------------------------------------------------------
-# process supervision: a reward per step, put on the token that ends the step
 
 NUM = r"\s*(-?\d+)\s*"
 STEP_RE = re.compile(rf"{NUM}([-+*x×]){NUM}={NUM}")  # a op b = c
@@ -193,25 +171,22 @@ STEP_OPS = {**OPS, "x": OPS["*"], "×": OPS["*"]}
 
 
 def arith_step_rewards(completion, example):
-    """One step per non-empty line, as (char_end, reward): char_end is the exclusive end of the line's text
-    (trailing spaces and `\\r` left out). `a op b = c` gets 1.0 if the arithmetic is right (on its own: the
-    outcome reward ties steps to the question), `#### N` 1.0 if N is the gold answer, any other line (`####N`
-    too) 0.0. No non-empty line: one step, (len(completion), 0.0).
+    """One (char_end, reward) per non-empty line, char_end the exclusive end of its text (trailing spaces and `\\r`
+    left out): `a op b = c` 1.0 if the arithmetic is right (on its own: the outcome reward ties steps to the
+    question), `#### N` 1.0 if N is the gold answer, any other line (`####N` too) 0.0. No such line: one step at the end.
     >>> arith_step_rewards("4 * 2 = 8\\n3 + 8 = 12\\n#### 11", {"answer": "11"})  # 3 + 4 * 2
     [(9, 1.0), (20, 0.0), (28, 1.0)]
     """
     steps = []
-    for m in re.finditer(r"[^\n]+", completion):
-        if not (text := m.group().rstrip()):
-            continue
-        if step := STEP_RE.fullmatch(text):
+    for m in re.finditer(r"[^\n]*\S", completion):  # a line up to its last non-space character
+        if step := STEP_RE.fullmatch(m.group()):
             a, op, b, c = step.groups()
             reward = float(STEP_OPS[op](int(a), int(b)) == int(c))
-        elif final := FINAL_RE.fullmatch(text):
+        elif final := FINAL_RE.fullmatch(m.group()):
             reward = float(answers_match(final.group(1), example["answer"]))
         else:
             reward = 0.0
-        steps.append((m.start() + len(text), reward))
+        steps.append((m.end(), reward))
     return steps or [(len(completion), 0.0)]
 
 
@@ -225,20 +200,18 @@ def step_positions(step_rewards, tokenizer, completion_ids, lengths, completions
     steps = [step_rewards(text, examples[i // group_size]) for i, text in enumerate(completions)]
     N, S = len(steps), max(len(s) for s in steps)
     ends, values, mask = torch.zeros(N, S, dtype=torch.long), torch.zeros(N, S), torch.zeros(N, S, dtype=torch.bool)
+    decode = partial(tokenizer.decode, skip_special_tokens=True)
     for i, row in enumerate(steps):
         ids = completion_ids[i, :int(lengths[i])].tolist()
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        for j, (end, value) in enumerate(row):
-            lo, hi = 1, max(len(ids), 1)
-            while lo < hi:  # binary search for the shortest prefix that holds text[:end]
-                mid = (lo + hi) // 2
-                holds = tokenizer.decode(ids[:mid], skip_special_tokens=True)[:end] == text[:end]
-                lo, hi = (lo, mid) if holds else (mid + 1, hi)
-            ends[i, j], values[i, j], mask[i, j] = lo - 1, value, True
+        text = decode(ids)
+        for j, (end, value) in enumerate(row):  # the fewest tokens that decode to text[:end]; all of them always do
+            ends[i, j] = bisect_left(range(1, len(ids)), True,  # binary search: (index k: k + 1 tokens)
+                                     key=lambda k: decode(ids[:k])[:end] == text[:end])
+            values[i, j], mask[i, j] = value, True
     return ends, values, mask
 
 # -----------------------------------------------------------------------------
-# scoring, shared by all tasks
+# scoring and evaluation, shared by all tasks
 
 def score(completion, example):
     """What eval.py reports: strict = the final-answer line (`#### N` or `\\boxed{}`) is right, flexible = the
@@ -257,3 +230,39 @@ TASKS = {  # each task its own dicts: editing one task's weights leaves the othe
     "arith_steps": Task(load_arith_steps, partial(chat_prompt, ARITH_STEPS_SYSTEM_PROMPT), dict(REWARDS), dict(WEIGHTS),
                         score, arith_step_rewards),
 }
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k of one problem with c of n samples correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021,
+    arXiv 2107.03374, eq. 1), as the product 1 - prod_{i=n-c+1}^{n} (1 - k/i): no huge binomials."""
+    return 1.0 if n - c < k else 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, task, examples, max_new_tokens=256, batch_size=32, n=1, temperature=1.0,
+             seed=0, progress=True, dtype=None):
+    """Score `examples` -> (summary, one record per example); n=1 is greedy, n>1 samples n completions
+    each (mean accuracies, pass@k). dtype: sampling's compute dtype. progress: a bar on stderr."""
+    stops = stop_token_ids(tokenizer, model)
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    per_batch, records, correct = max(1, batch_size // n), [], []  # correct: how many of an example's n are right
+    with tqdm(total=len(examples), desc="eval", unit="problem", disable=not progress, leave=False) as bar:
+        for i in range(0, len(examples), per_batch):
+            batch = examples[i:i + per_batch]
+            r = sample(model, tokenizer, [task.prompt(ex) for ex in batch], n, max_new_tokens, stops,
+                       temperature=temperature if n > 1 else 0.0, generator=generator, dtype=dtype)
+            for j, ex in enumerate(batch):
+                outs = r.completions[j * n:(j + 1) * n]
+                scores = [task.score(c, ex) for c in outs]
+                correct.append(sum(bool(s["strict"]) for s in scores))
+                records.append({"question": ex["question"], "gold": ex["answer"], "completion": outs[0],
+                                "pred": scores[0]["pred"], "correct": scores[0]["strict"],
+                                **{k: sum(s[k] for s in scores) / n for k in ("strict", "flexible", "format")},
+                                **({"completions": outs} if n > 1 else {})})
+            bar.update(len(batch))
+    m, names = max(len(records), 1), {"strict": "strict_acc", "flexible": "flexible_acc", "format": "format_rate"}
+    summary = {"n_examples": len(records), **{name: sum(r[k] for r in records) / m for k, name in names.items()}}
+    if n > 1:
+        ks = sorted({2 ** j for j in range(n.bit_length())} | {n})  # 1, 2, 4, ... up to n, and n
+        summary.update({f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / m for k in ks})
+    return summary, records

@@ -27,41 +27,37 @@ from tqdm import tqdm
 import grpo
 import rollout
 import run
-from eval import evaluate
 from models import DTYPES, ModelError, check_dtype, load_model, load_tokenizer, resolve_device, resolve_dtype, stop_token_ids
 from rewards import RewardError, combine_rewards, overlong_reward
-from tasks import TASKS, DataError, step_positions
+from tasks import TASKS, DataError, evaluate, step_positions
 
 # -----------------------------------------------------------------------------
 # flags: defaults here, then --config files, then the command line (run.parse checks every value)
-p = argparse.ArgumentParser(description=__doc__, formatter_class=type(
-    "Help", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {}))
-p.add_argument("--config", action="append", default=[],
-               help="a file of `name = value` lines, or name=value; repeatable, later wins")
+fmt = type("Help", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {})  # + defaults
+p = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
+p.add_argument("--config", action="append", default=[], help="a file of `name = value` lines, or name=value")
 g = p.add_argument_group("task and model")
-g.add_argument("--task", default="gsm8k", choices=sorted(TASKS))
+g.add_argument("--task", default="gsm8k", choices=sorted(TASKS), help="tasks.py")
 g.add_argument("--data-dir", default=None, help="local GSM8K dir (else $GSM8K_DIR, else download once)")
 g.add_argument("--model", default="smollm2-135m", help="hub id, local HF dir, .gguf file or smollm2-135m")
 g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:1 | mps")
-g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES],
-               help="compute dtype (autocast; weights stay fp32); auto: bfloat16 where native, else float32")
+g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="compute dtype; auto: bf16 where native")
 g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
 g = p.add_argument_group("rollout")
 g.add_argument("--group-size", type=int, default=8, help="G: completions per prompt")
 g.add_argument("--prompts-per-step", type=int, default=2, help="prompts per step, over all ranks")
 g.add_argument("--micro-batch", type=int, default=8, help="completions per forward/backward")
-g.add_argument("--max-new-tokens", type=int, default=256)
-g.add_argument("--temperature", type=float, default=1.0)
+g.add_argument("--max-new-tokens", type=int, default=256, help="completion budget")
+g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
 g.add_argument("--dynamic-sampling", action="store_true", help="DAPO: replace groups of equal rewards by new ones")
 g = p.add_argument_group("optimisation")
 g.add_argument("--steps", type=int, default=100, help="generation batches")
 g.add_argument("--mu", type=int, default=1, help="optimizer steps per generation batch (GRPO's mu)")
-g.add_argument("--lr", type=float, default=1e-6)
+g.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate")
 g = p.add_argument_group("the GRPO objective (grpo.py)")
 g.add_argument("--beta", type=float, default=0.04, help="KL coefficient; 0 = no reference model")
-g.add_argument("--kl-estimator", default="k3_clamped", choices=grpo.KL_ESTIMATORS,
-               help="k3_clamped: k3 with the log-ratio bounded; full: exact, over the vocabulary")
-g.add_argument("--loss-type", default="grpo", choices=grpo.LOSS_TYPES)
+g.add_argument("--kl-estimator", default="k3_clamped", choices=grpo.KL_ESTIMATORS, help="full: exact, from logits")
+g.add_argument("--loss-type", default="grpo", choices=grpo.LOSS_TYPES, help="aggregation over tokens")
 g.add_argument("--scale-rewards", default="group", choices=grpo.SCALES, help="none = Dr. GRPO")
 g.add_argument("--eps", type=float, default=0.2, help="clip epsilon (low)")
 g.add_argument("--eps-high", type=float, default=None, help="clip-higher (DAPO); None = --eps")
@@ -70,15 +66,13 @@ g.add_argument("--importance-level", default="token", choices=grpo.IMPORTANCE_LE
 g.add_argument("--mask-truncated", action="store_true", help="no loss on completions cut at --max-new-tokens")
 g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
 g.add_argument("--top-entropy-quantile", type=float, default=1.0, help="train only the top-rho entropy tokens")
-g.add_argument("--is-mode", default="token_truncate", choices=grpo.BEHAVIOUR_MODES,
-               help="policy term times min(pi_train / pi_sample, is_cap): the sampler's numerics differ")
-g.add_argument("--supervision", default="outcome", choices=["outcome", "process"],
-               help="process: the task's per-step rewards -> per-token advantages (DeepSeekMath 4.1.3)")
+g.add_argument("--is-mode", default="token_truncate", choices=grpo.BEHAVIOUR_MODES, help="pi_train / pi_sample")
+g.add_argument("--supervision", default="outcome", choices=["outcome", "process"], help="process: step rewards")
 g.add_argument("--overlong-buffer", type=int, default=0, help="DAPO soft overlong punishment over the last N tokens")
 g.add_argument("--reward-weights", default=None, help="e.g. correct=1,format=0.1,overlong=0.5 (default: the task's)")
 g = p.add_argument_group("run")
-g.add_argument("--seed", type=int, default=0)
-g.add_argument("--out-dir", default="out/run")
+g.add_argument("--seed", type=int, default=0, help="prompts, sampling, LoRA init")
+g.add_argument("--out-dir", default="out/run", help="run.json, metrics.jsonl, ckpt.pt, hf/")
 g.add_argument("--overwrite", action="store_true", help="replace the run in --out-dir")
 g.add_argument("--resume", default=None, help="a run's --out-dir (or its ckpt.pt) to continue")
 g.add_argument("--eval-every", type=int, default=0, help="steps between evals on the test split; 0 = at the end")
@@ -88,16 +82,12 @@ g = p.add_argument_group("scale (scale.py)")
 g.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (peft); 0 = full fine-tuning")
 g.add_argument("--fsdp", action="store_true", help="under torchrun: shard weights, grads, AdamW states (FSDP2)")
 CONSTANTS = {  # knobs few would sweep: set them in a config file, or inline as --config name=value
-    "lr_schedule": ("constant", ("constant", "cosine")),  # after warmup; cosine ends at 10% of --lr
-    "warmup_steps": (0, ">= 0"),  # linear warmup, in optimizer steps
-    "weight_decay": (0.0, ">= 0"),
-    "grad_clip": (1.0, ">= 0"),  # max grad norm; 0 = off
-    "top_p": (1.0, "(0, 1]"),  # nucleus sampling
-    "is_cap": (2.0, "> 0"),  # the truncation of --is-mode (TIS: 2)
+    "lr_schedule": ("constant", ("constant", "cosine")), "warmup_steps": (0, ">= 0"),  # cosine: to 10% of --lr
+    "weight_decay": (0.0, ">= 0"), "grad_clip": (1.0, ">= 0"),  # max grad norm; 0 = off
+    "top_p": (1.0, "(0, 1]"), "is_cap": (2.0, "> 0"),  # nucleus sampling; --is-mode's cap (TIS: 2)
     "max_resample": (4, ">= 0"),  # --dynamic-sampling: extra rollouts a step, at most
     "ref_sync_every": (0, ">= 0"),  # every N steps the reference becomes the policy (§4.2); 0 = never
-    "save_every": (50, ">= 0"),  # steps between checkpoints (and one at the end); 0 = none
-    "log_completions": (10, ">= 0"),  # print a sample completion every N steps; 0 = never
+    "save_every": (50, ">= 0"), "log_completions": (10, ">= 0"),  # checkpoints (+ one at the end); samples shown
     "export": ("model", ("model", "adapter", "none")),  # OUT_DIR/hf: a HF model (LoRA merged) or the adapters
 }
 RANGES = {"group_size": ">= 2", "prompts_per_step": ">= 1", "micro_batch": ">= 1", "max_new_tokens": ">= 1",
@@ -143,10 +133,7 @@ for item in args.reward_weights.split(",") if args.reward_weights else []:
     except (ValueError, SystemExit):
         p.error(f"--reward-weights: '{item}' is not name=number with name in {sorted(reward_fns)}")
 try:
-    device = resolve_device(args.device)
-    if ddp and device.type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
+    device = resolve_device(args.device, int(os.environ["LOCAL_RANK"]) if ddp else None)
     dtype, note = resolve_dtype(args.dtype, device)
     check_dtype(device, dtype)
 except ModelError as e:
@@ -160,9 +147,10 @@ if master:
 if ddp:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     dist.barrier()  # rank 0 has made the out dir
-if args.fsdp or args.lora_rank:
+if args.fsdp or args.lora_rank or ddp:
     import scale
 gathered = scale.gathered if args.fsdp else lambda m: nullcontext()  # --fsdp: sampling needs whole weights
+all_reduce = scale.all_reduce if ddp else lambda x, op="mean": x  # mean / max / min over ranks
 torch.manual_seed(args.seed + rank)
 autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
@@ -262,22 +250,9 @@ def collect(step):
             torch.cat([t[i] for (*_, t, _), i in zip(parts, rows)]), keep, stats)
 
 
-def all_reduce(x, op="mean"):
-    """Mean / max / min over ranks of a float tensor (identity without torchrun)."""
-    if ddp:
-        dist.all_reduce(x, {"mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
-    return x / world if ddp and op == "mean" else x
-
-
-def all_gather(x):
-    everyone = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(everyone, x)
-    return everyone
-
-
 def update(losses, step):
-    """Average gradients over ranks, clip, step -> (grad norm, the lr used). A non-finite loss or gradient on
-    any rank skips the update on every rank (fp16 overflows are the scaler's: it skips and lowers its scale)."""
+    """Average gradients over ranks, clip, step -> (grad norm, the lr used). A non-finite loss or gradient on any
+    rank skips the update on every rank (fp16 overflows are the scaler's: it skips and lowers its scale)."""
     global bad_steps
     if ddp and not args.fsdp:  # each rank owns whole groups; FSDP reduce-scatters by itself
         scale.average_gradients(params, world)
@@ -303,7 +278,7 @@ def run_eval(step):
     with gathered(policy):  # --fsdp: every rank gathers the weights, rank 0 evaluates
         if master and test_set:
             summary, _ = evaluate(policy, tokenizer, task, test_set, args.max_new_tokens, dtype=dtype)
-            tqdm.write(f"eval step {step}: " + " ".join(f"{k}={v:.4f}" for k, v in summary.items()))
+            tqdm.write(f"eval step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in summary.items()))
             log.write({"step": step, **{f"eval/{k}": v for k, v in summary.items()}})
 
 
@@ -329,7 +304,7 @@ def logprob_passes(r):
 # the loop
 log = run.MetricsLog(args.out_dir, args.log_to, vars(args), start_step) if master else None
 bad_steps, save_failed, export_failed = 0, None, None
-with run.interruptible(args.out_dir):
+with run.interruptible(args.out_dir, args.steps):
     if start_step == 0 and args.eval_every:
         run_eval(0)
     for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not master):
@@ -338,7 +313,7 @@ with run.interruptible(args.out_dir):
         rewards, keep, lengths, C = rewards.to(device), keep.to(device), r.completion_mask.sum(1), r.completion_ids.size(1)
         t1 = time.time()
         # 2. advantages: groups never span ranks, but the "batch" scale needs every rank's rewards
-        all_rewards = torch.cat(all_gather(rewards)) if ddp else rewards  # (world*N,)
+        all_rewards = scale.all_gather(rewards) if ddp else rewards  # (world*N,)
         adv, frac_zero = grpo.group_advantages(all_rewards, G, args.scale_rewards)
         adv = adv[rank * N:(rank + 1) * N, None]  # (N, 1)
         if args.supervision == "process":  # per-token advantages (N, C) from the task's step rewards (§4.1.3)

@@ -200,6 +200,13 @@ def test_malformed_inline_config_is_one_line(model_dir, tmp_path, capsys, no_mod
     assert_one_line(code, line, 2, fragment)
 
 
+def test_inline_config_value_that_is_no_literal_is_a_plain_string(model_dir, tmp_path):
+    """`--config model=/a/path` is the string '/a/path' (not a division), as `--config export=none` is 'none'."""
+    out = tmp_path / "out"
+    run_script(TRAIN, without(train_args(model_dir, str(out), steps=1), "--model") + ["--config", f"model={model_dir}"])
+    assert json.load(open(out / "run.json"))["model"] == model_dir
+
+
 @pytest.mark.parametrize("flag, value", [
     ("--lean", "on"), ("--ref-model", "x"), ("--ref-device", "cpu"), ("--top-k", 5), ("--max-prompt-tokens", 8),
     ("--ref-sync-alpha", 0.5), ("--lora-alpha", 8), ("--lora-dropout", 0.1), ("--lora-targets", "q_proj"),

@@ -5,6 +5,7 @@ loads; a failure on the way is one `error: ...` line and exit 1; Ctrl-C is one l
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -139,23 +140,25 @@ def test_eval_bad_checkpoint_leaves_nothing(tmp_path, capsys, what):
 @pytest.mark.slow
 def test_eval_real_sigint_in_a_fresh_process(model_dir, tmp_path):
     out = tmp_path / "preds.jsonl"
-    argv = ["--task", "arith", "--model", model_dir, "--limit", 1000, "--n", 4, "--max-new-tokens", 64,
-            "--device", "cpu", "--dtype", "float32", "--out", out]  # minutes of work: it cannot finish first
+    argv = ["--task", "arith", "--model", model_dir, "--n", 4, "--max-new-tokens", 64, "--device", "cpu",
+            "--dtype", "float32", "--out", out]  # 200 problems, a minute of work: it cannot finish first
     proc = subprocess.Popen([sys.executable, EVAL, *map(str, argv)], cwd=REPO, env=subprocess_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    err = b""
-    while b"eval:" not in err:  # the progress bar: the evaluation has begun
-        chunk = os.read(proc.stderr.fileno(), 4096)
-        if not chunk:
-            break
-        err += chunk
-    assert b"eval:" in err, err.decode()
-    proc.send_signal(signal.SIGINT)
-    err += proc.stderr.read()
-    assert proc.wait(timeout=60) == 130
-    text = err.decode()
-    assert "Traceback" not in text
-    assert text.strip().splitlines()[-1].split("\r")[-1].strip() == "error: interrupted; no predictions written"
+    try:
+        err = b""
+        while not re.search(rb"eval: .* [1-9]\d*/200 ", err):  # the bar has moved: inside the evaluation
+            chunk = os.read(proc.stderr.fileno(), 4096)
+            if not chunk:
+                break
+            err += chunk
+        assert re.search(rb"eval: .* [1-9]\d*/200 ", err), err.decode()
+        proc.send_signal(signal.SIGINT)
+        err += proc.stderr.read()
+        assert proc.wait(timeout=60) == 130
+    finally:
+        proc.kill()
+    assert "Traceback" not in err.decode()
+    assert err.decode().strip().splitlines()[-1] == "error: interrupted; no predictions written"
     assert leftovers(tmp_path) == []
 
 # -----------------------------------------------------------------------------

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import toy  # noqa: E402
 from toy import EVAL, TRAIN, run_script, train_args  # noqa: E402
 
-import eval as ev  # noqa: E402
+import tasks  # noqa: E402
 from eval import evaluate, load_checkpoint_model, pass_at_k  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -107,7 +107,7 @@ def test_evaluate_reports_pass_at_k_for_powers_of_two_and_n(monkeypatch, n, coun
     examples = toy.load("test")[:len(counts)]
     correct = {ex["question"]: c for ex, c in zip(examples, counts)}
     calls = []
-    monkeypatch.setattr(ev, "sample", stub_sample(correct, calls))
+    monkeypatch.setattr(tasks, "sample", stub_sample(correct, calls))
     summary, records = evaluate(toy.make_model(), toy.make_tokenizer(), toy.TASK, examples, n=n, batch_size=2 * n,
                                 temperature=0.7, progress=False)
     assert calls == [(2, n, 0.7), (2, n, 0.7), (1, n, 0.7)]  # batch_size counts completions: 2 prompts a call
@@ -121,7 +121,7 @@ def test_evaluate_reports_pass_at_k_for_powers_of_two_and_n(monkeypatch, n, coun
 
 def test_progress_bar_goes_to_stderr_and_counts_problems(monkeypatch, capsys):
     examples = toy.load("test")[:5]
-    monkeypatch.setattr(ev, "sample", stub_sample({ex["question"]: 1 for ex in examples}, []))
+    monkeypatch.setattr(tasks, "sample", stub_sample({ex["question"]: 1 for ex in examples}, []))
     evaluate(toy.make_model(), toy.make_tokenizer(), toy.TASK, examples, n=2, batch_size=4, progress=True)
     out, err = capsys.readouterr()  # neither is a tty here, as in a job log
     assert out == "" and "eval:" in err and "/5 " in err, err  # the bar counts the 5 problems

@@ -22,11 +22,10 @@ from conftest import make_model  # noqa: E402
 from toy import TIMING, TRAIN, read_metrics, run_script, train_args  # noqa: E402
 
 import grpo  # noqa: E402
-import lean  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
-from metrics import MetricsLog  # noqa: E402
+from run import MetricsLog  # noqa: E402
 
 G, PROMPTS, MICRO = 4, 2, 4  # train_args: 2 prompts x 4 completions, micro-batches of one group
 
@@ -96,7 +95,7 @@ def dyn_args(model_dir, out, *extra, steps=4):
 
 def test_dynamic_sampling_keeps_only_groups_with_a_spread(model_dir, tmp_path, monkeypatch):
     watch = DynamicSpy(monkeypatch, half_flat)
-    run_script(TRAIN, dyn_args(model_dir, str(tmp_path), "--max-resample", 3))
+    run_script(TRAIN, dyn_args(model_dir, str(tmp_path), "--config", "max_resample=3"))
     rows = read_metrics(str(tmp_path))
     assert len(watch.steps) == len(rows) == 4
     seen_extra = seen_filler = False
@@ -112,10 +111,12 @@ def test_dynamic_sampling_keeps_only_groups_with_a_spread(model_dir, tmp_path, m
         good, flat = [i for i, f in enumerate(flags) if f], [i for i, f in enumerate(flags) if not f]
         chosen = sorted(good[:kept] + flat[::-1][:PROMPTS - kept])
         assert step["batch"] == torch.tensor([v for i in chosen for v in groups[i]]).tolist()  # as fp32
-        assert (row["extra_rollouts"], row["kept_groups"], row["groups_dropped"]) == (
-            len(counts) - 1, kept, len(flags) - kept)
+        assert (row["extra_rollouts"], row["kept_groups"]) == (len(counts) - 1, kept)
+        every = [v for values in step["rollouts"] for v in values]  # all that was sampled, kept or not
+        assert row["reward_sampled"] == pytest.approx(sum(every) / len(every), abs=1e-6)
         # the loss: a flat group's rows have no valid token; a kept group's advantages are its own rewards',
-        # (r - mean) / (std + 1e-4) with the unbiased std; the normaliser counts the kept rows
+        # (r - mean) / (std + 1e-4) with the unbiased std, per row or on each token; the normaliser counts the
+        # kept rows
         assert len(step["losses"]) == PROMPTS * G // MICRO
         for j, (adv, mask, num_sequences) in enumerate(step["losses"]):
             r = torch.tensor(step["batch"][j * G:(j + 1) * G], dtype=torch.float64)
@@ -124,7 +125,8 @@ def test_dynamic_sampling_keeps_only_groups_with_a_spread(model_dir, tmp_path, m
             else:
                 assert mask.sum(1).gt(0).all()
                 # float32 against float64 on O(1) values: ~1e-7 apart
-                torch.testing.assert_close(adv.double(), (r - r.mean()) / (r.std() + 1e-4), atol=1e-5, rtol=0)
+                want = ((r - r.mean()) / (r.std() + 1e-4)).view(G, *[1] * (adv.dim() - 1))  # (G,) or (G, 1)
+                torch.testing.assert_close(adv.double(), want.expand_as(adv), atol=1e-5, rtol=0)
             assert num_sequences == kept * G
         seen_extra |= row["extra_rollouts"] > 0
         seen_filler |= kept < PROMPTS
@@ -135,9 +137,9 @@ def test_dynamic_sampling_is_deterministic_and_resumes_exactly(model_dir, tmp_pa
     register(monkeypatch, "toy_dyn", {"r": half_flat})
     a, b, c = (str(tmp_path / x) for x in "abc")
     for out in (a, b):
-        run_script(TRAIN, dyn_args(model_dir, out, "--max-resample", 3))
+        run_script(TRAIN, dyn_args(model_dir, out, "--config", "max_resample=3"))
     same_metrics(read_metrics(a), read_metrics(b))
-    run_script(TRAIN, dyn_args(model_dir, c, "--max-resample", 3, steps=2))
+    run_script(TRAIN, dyn_args(model_dir, c, "--config", "max_resample=3", steps=2))
     run_script(TRAIN, ["--resume", c, "--steps", 4])  # the extra rollouts' prompts depend on (seed, step)
     same_metrics(read_metrics(c), read_metrics(a))
     assert max(r["extra_rollouts"] for r in read_metrics(a)[2:]) > 0  # resampling happened after the resume
@@ -145,7 +147,7 @@ def test_dynamic_sampling_is_deterministic_and_resumes_exactly(model_dir, tmp_pa
 
 def test_dynamic_sampling_skips_a_step_with_no_spread(model_dir, tmp_path, monkeypatch, capsys):
     watch = DynamicSpy(monkeypatch, lambda completions, **_: [0.5] * len(completions))
-    g = run_script(TRAIN, dyn_args(model_dir, str(tmp_path), "--max-resample", 0, steps=2))
+    g = run_script(TRAIN, dyn_args(model_dir, str(tmp_path), "--config", "max_resample=0", steps=2))
     rows = read_metrics(str(tmp_path))
     assert [(r["skipped"], r["kept_groups"], r["extra_rollouts"]) for r in rows] == [(1.0, 0.0, 0.0)] * 2
     assert len(watch.steps) == 2 and all(not s["losses"] for s in watch.steps)  # the loss never ran
@@ -173,7 +175,8 @@ def test_overlong_reward_is_the_formula_over_the_sampled_lengths(model_dir, tmp_
         fn = real(max_len, buffer)
         return lambda completions, **fields: scored.append(fn(completions, **fields)) or scored[-1]
     monkeypatch.setattr(rewards, "overlong_reward", recorded)
-    run_script(TRAIN, train_args(model_dir, str(tmp_path), "--overlong-buffer", 4, "--overlong-weight", 0.5, steps=3))
+    run_script(TRAIN, train_args(model_dir, str(tmp_path), "--overlong-buffer", 4, "--reward-weights", "overlong=0.5",
+                                 steps=3))
     rows = read_metrics(str(tmp_path))
     want = [[dapo_overlong(n) for n in step] for step in lengths]
     assert scored == want
@@ -198,31 +201,34 @@ def naive_kl(model, ref, ids, mask, C):
 
 
 def kl_batch():
-    """3 rows: left-padded prompts of 4, completions of 6 right-padded after their stop."""
+    """3 rows: left-padded prompts of 4 (rows 0 and 1 the same one of 2 tokens, as a group's rows),
+    completions of 6 right-padded after their stop."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(8, 98, (3, 10), generator=g)
+    ids[1, :4] = ids[0, :4]
     mask = torch.ones(3, 10, dtype=torch.long)
-    mask[0, :2] = 0  # a shorter prompt
+    mask[:2, :2] = 0  # a shorter prompt
     mask[1, 7:] = 0  # a completion that stopped after 3 tokens
     return ids, mask, 6
 
 
-@pytest.mark.parametrize("path", [rollout, lean], ids=["rollout", "lean"])
-def test_full_kl_value_and_gradient_equal_autograd_of_the_naive_formula(path):
+@pytest.mark.parametrize("share", [True, False], ids=["prompts-shared", "whole-rows"])
+def test_full_kl_value_and_gradient_equal_autograd_of_the_naive_formula(share):
+    """The rows' prompts repeat (rows 0, 1 share one, row 2 has its own), so share=True runs 2 prompts."""
     policy, ref = make_model(seed=0), make_model(seed=1).requires_grad_(False)
     ids, mask, C = kl_batch()
     w = torch.rand(3, C, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        ref_h = path.completion_hidden(ref, ids, mask, C)  # (N, C, H): what train.py keeps, not logits
+        ref_h = rollout.completion_hidden(ref, ids, mask, C, share)  # (N, C, H): what train.py keeps, not logits
     assert ref_h.shape == (3, C, ref.config.hidden_size)
-    _, _, kl = path.token_logprobs(policy, ids, mask, C, ref=(ref.get_output_embeddings(), ref_h))
+    _, _, kl = rollout.token_logprobs(policy, ids, mask, C, ref=(ref.get_output_embeddings(), ref_h), share=share)
     grads = torch.autograd.grad((w * kl).sum(), list(policy.parameters()))
     want = naive_kl(policy, ref, ids, mask, C)
     want_grads = torch.autograd.grad((w * want).sum(), list(policy.parameters()))
-    # both sides in fp32 on the same machine, differing only in summation order (lean's own matmuls): a few
-    # ulps of the largest terms. KL values reach ~4 (measured error 1.2e-6); a gradient entry is a sum of
-    # terms as large as its tensor's largest entry, so its bound scales with that (measured at most 12% of
-    # it). Another CPU changes the order of the sums, not their precision.
+    # both sides in fp32 on the same machine, differing only in summation order (chunked head, the prompt
+    # run apart): a few ulps of the largest terms. KL values reach ~4; a gradient entry is a sum of terms as
+    # large as its tensor's largest entry, so its bound scales with that. Another CPU changes the order of
+    # the sums, not their precision.
     torch.testing.assert_close(kl, want, atol=1e-5, rtol=0)
     assert want.abs().max() > 0.1  # two different models: a real KL to compare
     for (name, _), a, b in zip(policy.named_parameters(), grads, want_grads):
@@ -231,16 +237,18 @@ def test_full_kl_value_and_gradient_equal_autograd_of_the_naive_formula(path):
 
 def test_full_kl_in_the_loop_keeps_hidden_states_not_logits(model_dir, tmp_path, monkeypatch):
     stored = []
-    for module in (rollout, lean):  # whichever path train.py picks for the reference
-        spy(monkeypatch, module, "completion_hidden", lambda a, k, out: stored.append((a[0], tuple(out.shape))))
+    spy(monkeypatch, rollout, "completion_hidden", lambda a, k, out: stored.append(
+        (a[0], tuple(out.shape), a[4] if len(a) > 4 else k.get("share", True))))
     g = run_script(TRAIN, train_args(model_dir, str(tmp_path), "--kl-estimator", "full", steps=2))
     rows = read_metrics(str(tmp_path))
     H, V = g["ref"].config.hidden_size, g["ref"].config.vocab_size
-    ref_calls = [shape for model, shape in stored if model is g["ref"]]
-    # one (micro-batch, c, H) tensor per micro-batch per step: N*C*H floats, V/H times fewer than logits
-    assert len(ref_calls) == 2 * PROMPTS * G // MICRO
-    assert all(s[0] == MICRO and s[2] == H != V for s in ref_calls)
-    assert [tuple(h.shape) for h in g["ref_h"]] == ref_calls[-2:] and g["ref_logp"] is None
+    # the loop's calls (the start-up sharing probe runs 2 rows, not a micro-batch of MICRO)
+    ref_calls = [(shape, share) for model, shape, share in stored if model is g["ref"] and shape[0] == MICRO]
+    # one (micro-batch, c, H) tensor per micro-batch per step: N*C*H floats, V/H times fewer than logits;
+    # each micro-batch is one group, so its prompt runs once (prompt sharing is on for this model)
+    assert len(ref_calls) == 2 * PROMPTS * G // MICRO and g["share"]
+    assert all(s[2] == H != V and share for s, share in ref_calls)
+    assert [tuple(h.shape) for h in g["ref_h"]] == [s for s, _ in ref_calls[-2:]] and g["ref_logp"] is None
     # the reference == the policy before the first update: the same fp32 numbers, a KL of exactly 0
     assert rows[0]["kl"] == 0.0 < rows[1]["kl"] and rows[1]["kl_max"] >= rows[1]["kl"]
 
@@ -258,16 +266,20 @@ def smol_tok():
 
 
 @pytest.mark.real_model
-def test_token_ends_is_the_token_that_completes_the_character(smol_tok):
+def test_step_positions_end_on_the_token_that_completes_the_character(smol_tok):
     """Each step ends on the token holding the character just before char_end, including a character
-    whose UTF-8 bytes are split over several tokens (the reward lands where the character is complete)."""
+    whose UTF-8 bytes are split over several tokens (the reward lands where the character is complete).
+    The independent answer: the tokenizer's own offset mapping."""
     text = "Let me see: 12 * 3 = 36\ncafé ☕\n7 + 5 = 12\n#### 48"
     ids = smol_tok(text, add_special_tokens=False)["input_ids"]
     assert smol_tok.decode(ids) == text
     offsets = smol_tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-    ends = [i + 1 for i in range(len(text))]  # every character
-    got = rollout.token_ends(smol_tok, torch.tensor(ids + [smol_tok.eos_token_id]), len(ids), ends)
-    for end, k in zip(ends, got):
+    every_character = lambda completion, example: [(i + 1, float(i)) for i in range(len(completion))]
+    completion_ids = torch.tensor([ids + [smol_tok.eos_token_id] * 3])  # (1, C): the stop token, then padding
+    ends, values, mask = tasks.step_positions(every_character, smol_tok, completion_ids, torch.tensor([len(ids)]),
+                                              [text], [{}], 1)
+    assert mask.all() and values[0].tolist() == [float(i) for i in range(len(text))]
+    for end, k in zip(range(1, len(text) + 1), ends[0].tolist()):
         # the last token whose span covers character end-1 (a split character: its last byte's token)
         want = max(i for i, (s, e) in enumerate(offsets) if s <= end - 1 < e)
         assert k == want, (end, text[:end], k, want)
@@ -287,7 +299,7 @@ def steps_of(gold, group):
 
 def scripted_sampler(tok, real_sample, record):
     """rollout.sample with the completions written here: the prompts as sampled, then the scripted lines
-    tokenized piece by piece, so each line's last token index is known without token_ends."""
+    tokenized piece by piece, so each line's last token index is known without tasks.step_positions."""
     def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, *a, **k):
         base = real_sample(model, tokenizer, prompts, group_size, 1, stop_ids, *a, **k)
         rows, ends, golds = [], [], []
@@ -306,7 +318,7 @@ def scripted_sampler(tok, real_sample, record):
         completion_mask, truncated = rollout.completion_mask_from_stops(completion_ids, stop_ids)
         texts = tokenizer.batch_decode([x[:-1] for x in rows], skip_special_tokens=True)  # as sample() decodes
         r = rollout.Rollout(base.prompt_ids, base.prompt_mask, completion_ids, completion_mask, truncated,
-                            base.group, texts, torch.zeros(len(rows), C), base.prompt_cut)
+                            texts, torch.zeros(len(rows), C), base.prompt_cut)
         with torch.no_grad():  # the sampling log-probs are the policy's own: no behaviour correction
             r.sample_logp = rollout.token_logprobs(model, r.input_ids, r.attention_mask, C)[0]
         record.append((r, ends, golds))
@@ -400,12 +412,12 @@ def test_metrics_file_is_json_even_with_non_finite_values(tmp_path):
 
 def test_bfloat16_gap_metrics_and_weights_are_the_recomputed_ones(model_dir, tmp_path, monkeypatch):
     """--dtype bfloat16 samples in bf16 and trains in autocast: the two log-probs differ a little.
-    --is-cap 1 truncates every token the trainer likes more than the sampler did."""
+    is_cap=1 truncates every token the trainer likes more than the sampler did."""
     sampled, losses = [], []
     spy(monkeypatch, rollout, "sample", lambda a, k, r: sampled.append(r))
     spy(monkeypatch, grpo, "grpo_loss", lambda a, k, out: losses.append(
         (a[0].detach().clone(), a[4].clone(), k["behaviour_weights"].clone())))
-    run_script(TRAIN, train_args(model_dir, str(tmp_path), "--dtype", "bfloat16", "--is-cap", 1.0, steps=2))
+    run_script(TRAIN, train_args(model_dir, str(tmp_path), "--dtype", "bfloat16", "--config", "is_cap=1.0", steps=2))
     rows = read_metrics(str(tmp_path))
     per_step = PROMPTS * G // MICRO
     for s, (row, r) in enumerate(zip(rows, sampled)):
@@ -441,21 +453,12 @@ def test_is_mode_none_trains_with_weights_one(model_dir, tmp_path, monkeypatch):
     run_script(TRAIN, train_args(model_dir, none, "--dtype", "bfloat16", "--is-mode", "none", steps=1))
     assert len(calls) == PROMPTS * G // MICRO
     monkeypatch.undo()
-    run_script(TRAIN, train_args(model_dir, cap, "--dtype", "bfloat16", "--is-cap", 1.0, steps=1))
+    run_script(TRAIN, train_args(model_dir, cap, "--dtype", "bfloat16", "--config", "is_cap=1.0", steps=1))
     # the same rollouts and passes (same seed), so only the weights can move the loss: they reach it
     [a], [b] = read_metrics(none), read_metrics(cap)
     assert a["reward"] == b["reward"] and a["dlogp_max"] == b["dlogp_max"] > 0
     assert a["is_capped"] == 0 < b["is_capped"] and a["loss"] != b["loss"]
 
-
-def test_a_policy_drifting_from_the_reference_says_lower_lr_once(model_dir, tmp_path, monkeypatch, capsys):
-    def far(a, k, out):
-        out[1]["kl"] = torch.tensor(5.0)
-    spy(monkeypatch, grpo, "grpo_loss", far)
-    run_script(TRAIN, train_args(model_dir, str(tmp_path), steps=4))
-    assert [r["kl"] for r in read_metrics(str(tmp_path))] == [5.0] * 4
-    warnings = [x for x in capsys.readouterr().out.splitlines() if "lower --lr" in x]
-    assert warnings == ["warning: step 3: kl > 1.0 for 3 steps: the policy is far from the reference; lower --lr"]
 
 # -----------------------------------------------------------------------------
 # per-prompt generators: a prompt's completions do not depend on the number of processes

@@ -11,7 +11,7 @@ from torch.distributions import Categorical, kl_divergence
 
 import grpo
 from grpo import (LOSS_TYPES, Objective, aggregate, behaviour_weights, clipped_surrogate, full_kl,
-                  group_advantages, grpo_loss, importance_ratio, informative_groups, kl_estimate,
+                  group_advantages, grpo_loss, importance_ratio, informative_groups, kl_estimate, pick_groups,
                   process_advantages, top_entropy_mask)
 
 F64 = dict(dtype=torch.float64)
@@ -82,6 +82,18 @@ def test_informative_groups_hand_example_and_agrees_with_group_advantages():
     assert frac.item() == 0.75  # 3 of 4 groups flat = 1 - keep.float().mean()
     assert torch.equal(adv.view(4, 3)[~keep], torch.zeros(3, 3, **F64))
     assert (adv.view(4, 3)[keep] != 0).all()
+
+
+def test_pick_groups_first_informative_in_sampling_order_then_the_last_flat_ones():
+    # groups of 2: attempt 0 is flat, informative, flat; attempt 1 is informative, flat, informative
+    r0, r1 = torch.tensor([1.0, 1, 0, 1, 0, 0]), torch.tensor([1.0, 0, 1, 1, 0, 1])
+    assert pick_groups([r0, r1], 2, 2) == [(0, 1, True), (1, 0, True)]  # enough: the first two informative
+    assert pick_groups([r0, r1], 2, 3) == [(0, 1, True), (1, 0, True), (1, 2, True)]
+    # shortfall: all 3 informative, then flat ones from the last back: (1, 1), then (0, 2), then (0, 0)
+    assert pick_groups([r0, r1], 2, 4) == [(0, 1, True), (1, 0, True), (1, 1, False), (1, 2, True)]
+    assert pick_groups([r0, r1], 2, 5) == [(0, 1, True), (0, 2, False), (1, 0, True), (1, 1, False), (1, 2, True)]
+    assert pick_groups([r0], 2, 3) == [(0, 0, False), (0, 1, True), (0, 2, False)]  # one attempt, 1 informative
+    assert pick_groups([r0], 2, 2) == [(0, 1, True), (0, 2, False)]
 
 
 def test_process_advantages_hand_example():
@@ -173,33 +185,21 @@ def test_k3_clamped_hand_values_and_gradient():
     assert k32.item() == 10 and torch.autograd.grad(k32.sum(), lp32)[0].item() == 0
 
 
-def test_full_kl_on_one_row_chunks_with_grad():
-    # the log-prob pass calls full_kl on (1, n, V) slices of the logits with grad enabled
-    torch.manual_seed(0)
-    logits = torch.randn(3, 4, 6, **F64, requires_grad=True)
-    ref = torch.randn(3, 4, 6, **F64)
-    got = torch.cat([full_kl(logits[i:i + 1], ref[i:i + 1], chunk_size=3) for i in range(3)])  # (3, 4)
-    want = kl_divergence(Categorical(logits=logits), Categorical(logits=ref))
-    torch.testing.assert_close(got, want)
-    assert got.requires_grad
-    torch.testing.assert_close(torch.autograd.grad(got.sum(), logits)[0], torch.autograd.grad(want.sum(), logits)[0])
-
-
-@pytest.mark.parametrize("chunk_size", [1, 3, 1000])
-def test_full_kl_matches_torch_distributions(chunk_size):
+def test_full_kl_matches_torch_distributions():
     torch.manual_seed(0)
     logits = torch.randn(2, 5, 7, **F64, requires_grad=True)
     ref = torch.randn(2, 5, 7, **F64)
     want = kl_divergence(Categorical(logits=logits), Categorical(logits=ref))  # (2, 5)
-    got = full_kl(logits, ref, chunk_size=chunk_size)
+    got = full_kl(logits, ref)
     torch.testing.assert_close(got, want)
-    g_got, = torch.autograd.grad(got.sum(), logits)  # through the checkpointed chunks
+    g_got, = torch.autograd.grad(got.sum(), logits)
     g_want, = torch.autograd.grad(want.sum(), logits)
     torch.testing.assert_close(g_got, g_want)
+    torch.testing.assert_close(full_kl(logits[1], ref[1]), want[1])  # (n, V) rows: the log-prob pass's chunks
     mask = torch.rand(2, 5) > 0.5
-    torch.testing.assert_close(full_kl(logits, ref, mask, chunk_size), torch.where(mask, want, 0.0))
+    torch.testing.assert_close(full_kl(logits, ref, mask), torch.where(mask, want, 0.0))
     # bf16 in: the math runs in fp32 and comes back fp32
-    low = full_kl(logits.detach().bfloat16(), ref.bfloat16(), chunk_size=chunk_size)
+    low = full_kl(logits.detach().bfloat16(), ref.bfloat16())
     assert low.dtype == torch.float32
     p_bf, q_bf = Categorical(logits=logits.detach().bfloat16().double()), Categorical(logits=ref.bfloat16().double())
     want_bf = kl_divergence(p_bf, q_bf)
@@ -488,7 +488,7 @@ def test_full_kl_in_loss_matches_naive_formula():
 
     logits = logits0.clone().requires_grad_()
     logp = logits.log_softmax(-1).gather(-1, tokens[..., None])[..., 0]  # (N, T)
-    kl = torch.cat([full_kl(logits[i:i + 1], ref_logits[i:i + 1], chunk_size=2) for i in range(N)])  # (N, T)
+    kl = full_kl(logits, ref_logits)  # (N, T)
     loss, m = grpo_loss(logp, old, None, adv, mask, Objective(beta=0.2, kl_estimator="full"), kl=kl)
     grad, = torch.autograd.grad(loss, logits)
 
@@ -594,13 +594,15 @@ def test_docstring_examples():
 _x, _m, _adv = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.zeros(2)
 _NO_KL = Objective(beta=0)
 BAD = [
-    (lambda: group_advantages(torch.zeros(7), 4), "divisible by group_size"),
+    (lambda: group_advantages(torch.zeros(7), 4), r"group_size must be an int >= 2 that divides .* \(7\), got 4"),
     (lambda: group_advantages(torch.zeros(4), 1), "group_size must be an int >= 2"),
+    (lambda: group_advantages(torch.zeros(4), 2.0), "group_size must be an int >= 2"),
     (lambda: group_advantages(torch.zeros(4, 1), 2), "rewards must have shape"),
     (lambda: group_advantages(torch.zeros(4), 2, scale="std"), r"scale must be one of \('group', 'batch', 'none'\)"),
     (lambda: process_advantages(torch.zeros(3, 2), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2).bool(), 2, 4),
-     "divisible by group_size"),
-    (lambda: process_advantages(torch.zeros(2, 2), torch.tensor([[0, 4], [0, 1]]), _m[:, :2], 2, 4), "step_ends"),
+     "group_size must be an int >= 2 that divides"),
+    (lambda: process_advantages(torch.zeros(2, 2), torch.tensor([[0, 4], [0, 1]]), _m[:, :2], 2, 4),
+     r"step_ends must lie in \[0, seq_len=4\)"),
     (lambda: kl_estimate(_x, _x, "k4"), r"kl_estimator must be one of \('k1', 'k2', 'k3', 'k3_clamped', 'full'\)"),
     (lambda: aggregate(_x, _m, "sum"), r"loss_type must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo'\)"),
     (lambda: aggregate(_x, _m, "dr_grpo", max_len=2), "max_len"),
@@ -625,7 +627,9 @@ BAD = [
     (lambda: behaviour_weights(_x, _x, _m, "tis"), r"behaviour_mode must be one of \('none', 'token_truncate'"),
     (lambda: behaviour_weights(_x, _x[:1], _m), "sample_logp must have shape"),
     (lambda: behaviour_weights(_x, _x, _m[:1]), "mask must have shape"),
-    (lambda: informative_groups(torch.zeros(5), 2), "divisible by group_size"),
+    (lambda: informative_groups(torch.zeros(5), 2), "group_size must be an int >= 2 that divides"),
+    (lambda: Objective(eps_high=math.nan), "--eps-high nan < --eps 0.2"),
+    (lambda: Objective(delta=math.nan), r"--delta nan must be > 1 \+ eps_high = 1.2"),
     (lambda: informative_groups(torch.zeros(4, 1), 2), "rewards must have shape"),
     # Objective: one line naming the flag
     (lambda: Objective(eps_high=0.1), r"--eps-high 0.1 < --eps 0.2: clip-higher needs eps_high >= eps"),
@@ -634,12 +638,6 @@ BAD = [
     (lambda: Objective(loss_type="mean"), r"--loss-type must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo'\)"),
     (lambda: Objective(kl_estimator="k5"), r"--kl-estimator must be one of \('k1', 'k2', 'k3', 'k3_clamped', 'full'\)"),
     (lambda: Objective(importance_level="x"), r"--importance-level must be one of \('token', 'sequence'\), got 'x'"),
-    (lambda: Objective(beta=-0.1), r"--beta -0.1 must be >= 0"),
-    (lambda: Objective(beta=math.nan), r"--beta nan must be >= 0"),
-    (lambda: Objective(eps=1.0, eps_high=1.0), r"--eps 1.0 must be in \[0, 1\)"),
-    (lambda: Objective(entropy_coef=math.inf), r"--entropy-coef inf must be finite"),
-    (lambda: Objective(top_entropy_quantile=0.0), r"--top-entropy-quantile 0.0 must be in \(0, 1\]"),
-    (lambda: Objective(max_len=0), r"--max-new-tokens 0 must be >= 1"),
 ]
 
 

@@ -89,8 +89,15 @@ def test_stop_token_ids_merges_tokenizer_and_generation_config(tiny_tok, tiny_mo
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_check_dtype_passes_on_cpu(dtype):
-    check_dtype(CPU, dtype)
+def test_check_dtype_passes_on_cpu_and_turns_a_failure_into_one_line(dtype, monkeypatch):
+    check_dtype(CPU, dtype)  # a device/dtype pair that runs: no error
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("no kernel for this dtype")
+    monkeypatch.setattr(models.torch, "autocast", unsupported)  # what a device without the kernels raises
+    with pytest.raises(ModelError) as e:
+        check_dtype(CPU, dtype)
+    assert str(e.value) == f"dtype {dtype} cannot run on device cpu (no kernel for this dtype); use --dtype float32"
 
 
 @pytest.mark.skipif(torch.cuda.is_available() or torch.backends.mps.is_available(), reason="has an accelerator")

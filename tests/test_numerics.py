@@ -1,10 +1,11 @@
-"""Sampling and training see the same policy: the decode step's log-probs against the training pass's.
+"""Sampling and training see the same policy: the log-probs rollout.sample records against the training pass's.
 
-GRPO at mu = 1 takes the sampled tokens to come from the distribution the training pass computes.
-Both run from fp32 weights with bf16 matmuls (train.py's defaults): the decode step (lean.LeanDecoder,
-or rollout.HFDecoder under autocast) and the teacher-forced pass (lean.token_logprobs or
-rollout.token_logprobs under autocast). They can only agree to bf16 rounding, and only if they round
-at the same points; these tests check that they do, on models where rounding anywhere else shows.
+GRPO at mu = 1 takes the sampled tokens to come from the distribution the training pass computes. Both run
+from fp32 weights with bf16 matmuls (train.py's defaults): rollout.sample(dtype=bf16) runs its whole decode
+loop under one autocast context (each weight cast once), and the training pass is rollout.token_logprobs
+under autocast, with each prompt run once through the KV cache (share=True) or whole rows (share=False).
+They can only agree to bf16 rounding, and only if they round at the same points; these tests check that
+they do, on models where rounding anywhere else shows.
 
 The models. Trained Qwen2 models have attention logits of 1000 and more in layer 0: an offset that q
 and k carry in their low-frequency rotary dimensions (their biases, massive activations), the same for
@@ -14,7 +15,7 @@ massive embedding channel, read by the lowest-frequency rotary pair of q and k i
 logits at 1000-3000, with q/k weights scaled x30 and large v/o in layer 0, so that attention matters.
 The offset part of q and k is the same for every token: rounding q and k (both passes do) keeps it.
 
-The bound. u = 2^-8 is bf16's unit roundoff and S the largest |logit| of the fp32 pass. A bf16 pass's
+The bound. u = 2^-8 is bf16's unit roundoff and S the largest |logit| of the fp32 pass where compared. A bf16 pass's
 logits are off the fp32 ones by their own rounding (<= u S) and by one rounding's worth per layer that
 the residual stream carries to them (L u S), twice that for the several roundings inside a layer
 (norm, matmuls, rotary, softmax, SiLU): 2 (L + 1) u S. A log-prob is the target's logit minus the
@@ -22,7 +23,8 @@ log-sum-exp, each 1-Lipschitz in the max norm, so one pass is within K u S of fp
 and two passes that round at the same points are within 2 K u S of each other. This holds on any CPU:
 AVX512-BF16 and AMX kernels sum in different orders, which moves a value by ~2^-24 relative before it
 is rounded and can tip the rounding, but the result is still a rounding of the same value, inside the
-same +-u. A step that rounds the scores to bf16 is 50-150 u S off the training pass on these models.
+same +-u. A sampler that rounds the attention scores to bf16 lands about 100-160 u S off the training pass
+on these models (the last check below): the bound tells the two apart.
 """
 
 import pytest
@@ -30,13 +32,13 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-import lean
 import rollout
-from rollout import left_pad
+from conftest import EOS, VOCAB, make_tokenizer
 
-V, E, H, KV, D, LAYERS = 98, 64, 4, 2, 16, 2
+V, E, H, KV, D, LAYERS = len(VOCAB), 64, 4, 2, 16, 2
 U = 2.0 ** -8  # bf16's unit roundoff: round-to-nearest with 8 significant bits
 K = 4 * (LAYERS + 1)  # one bf16 pass vs fp32, in units of u S (module docstring)
+PROMPTS = ["w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11", "w12 w13"]  # left padding in the batch
 
 
 def sink_model(kind, seed=0):
@@ -72,72 +74,80 @@ def sink_model(kind, seed=0):
     return model.eval()
 
 
-def rows(G=2, C=12, seed=1):
-    """Two left-padded prompts (B, P) and C continuation tokens for each of their G rows (B G, C)."""
-    g = torch.Generator().manual_seed(seed)
-    ids, mask = left_pad([torch.randint(5, V, (n,), generator=g).tolist() for n in (11, 4)], pad_id=0)
-    return ids, mask, torch.randint(5, V, (ids.size(0) * G, C), generator=g)
+def gap(a, b, m, S):
+    """max |a - b| over the sampled tokens m, in units of u S."""
+    return ((a - b)[m].abs().max() / (U * S)).item()
 
 
-def decode_logprobs(model, decoder, ids, mask, comp, G):
-    """Log-probs of comp (N, C) fed token by token to decoder(..., dtype=bf16), as rollout.sample does."""
-    step = decoder(model, ids, mask, G, comp.size(1), torch.bfloat16)
-    pos = (mask.cumsum(-1) - 1)[:, -1:].repeat_interleave(G, 0) + 1  # (N, 1)
-    logits = [step.logits.float()]
-    for t in range(comp.size(1) - 1):
-        logits.append(step.step(comp[:, t], pos + t).float())
-    return torch.stack(logits, 1).log_softmax(-1).gather(-1, comp[..., None]).squeeze(-1)  # (N, C)
-
-
-def full_rows(ids, mask, comp, G):
-    return (torch.cat([ids.repeat_interleave(G, 0), comp], 1),
-            torch.cat([mask.repeat_interleave(G, 0), torch.ones_like(comp)], 1))  # (N, P + C) each
-
-
-def training_logprobs(model, fast, ids, mask, comp, G, dtype=torch.bfloat16):
-    full, full_mask = full_rows(ids, mask, comp, G)
+def training_logprobs(model, ids, mask, C, share, dtype=torch.bfloat16):
+    """The training pass as train.py runs it: token_logprobs under autocast to `dtype` -> (N, C)."""
     with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-        if fast:
-            return lean.token_logprobs(model, full, full_mask, comp.size(1), group_size=G)[0]
-        return rollout.token_logprobs(model, full, full_mask, comp.size(1))[0]  # (N, C)
+        return rollout.token_logprobs(model, ids, mask, C, share=share)[0]
 
 
-def largest_attention_logit(model, ids, mask, comp, G, monkeypatch):
-    """max |q.k * scale| over attended pairs in the model's fp32 forward."""
-    seen, sdpa = [0.0], F.scaled_dot_product_attention
-
-    def spy(q, k, v, attn_mask=None, scale=None, **kw):
-        s = q @ k.repeat_interleave(q.size(1) // k.size(1), 1).transpose(-1, -2) * scale  # (N, H, T, T)
-        keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask == 0
-        seen[0] = max(seen[0], s.masked_fill(~keep, 0).abs().max().item())
-        return sdpa(q, k, v, attn_mask=attn_mask, scale=scale, **kw)
-    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
-    full, full_mask = full_rows(ids, mask, comp, G)
+def fp32_logits(model, ids, mask, C):
+    """The model's own fp32 forward over whole rows: logits (N, C, V) at the positions predicting the last C."""
     with torch.no_grad():
-        model(input_ids=full, attention_mask=full_mask, position_ids=(full_mask.cumsum(-1) - 1).clamp(min=0))
-    monkeypatch.undo()
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1:-1]
+
+
+def attend(q, k, v, attn_mask=None, scale=None, is_causal=False, round_scores=False):
+    """Attention written out: scores (.., Tq, Tk) in fp32 (or rounded to bf16), the mask, softmax, values."""
+    k, v = (x.repeat_interleave(q.size(1) // x.size(1), 1) for x in (k, v))  # grouped-query heads
+    with torch.autocast("cpu", enabled=False):  # autocast would run these matmuls in bf16
+        s = q.float() @ k.float().transpose(-1, -2) * scale  # (B, heads, Tq, Tk)
+        s = s.bfloat16().float() if round_scores else s
+        if attn_mask is None and is_causal:
+            attn_mask = torch.ones(s.shape[-2:], dtype=torch.bool).tril(s.size(-1) - s.size(-2))
+        if attn_mask is not None:
+            s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask
+        return s, (s.softmax(-1).nan_to_num() @ v.float()).to(q.dtype)  # a padding query sees no key: 0, as SDPA
+
+
+def largest_attention_logit(model, ids, mask, monkeypatch):
+    """max |q.k * scale| over attended pairs in the model's fp32 forward over whole rows."""
+    seen = [0.0]
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, scale=None, is_causal=False, **kw):
+        s, out = attend(q, k, v, attn_mask, scale, is_causal)
+        seen[0] = max(seen[0], s[torch.isfinite(s)].abs().max().item())
+        return out
+    with monkeypatch.context() as mp:
+        mp.setattr(F, "scaled_dot_product_attention", spy)
+        fp32_logits(model, ids, mask, 1)
     return seen[0]
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_decode_steps_give_the_training_pass_log_probs_to_bf16_rounding(kind, monkeypatch):
-    model, G = sink_model(kind), 2
-    ids, mask, comp = rows(G)
-    assert largest_attention_logit(model, ids, mask, comp, G, monkeypatch) > 1000  # the regime of the bug
-    full, full_mask = full_rows(ids, mask, comp, G)
-    with torch.no_grad():
-        pos = (full_mask.cumsum(-1) - 1).clamp(min=0)
-        S = model(input_ids=full, attention_mask=full_mask, position_ids=pos).logits.abs().max().item()
-    exact = training_logprobs(model, False, ids, mask, comp, G, torch.float32)
-    train = {"lean": training_logprobs(model, True, ids, mask, comp, G),
-             "hf": training_logprobs(model, False, ids, mask, comp, G)}
-    decode = {"lean": decode_logprobs(model, lean.LeanDecoder, ids, mask, comp, G),
-              "hf": decode_logprobs(model, rollout.HFDecoder, ids, mask, comp, G)}
-    gap = lambda a, b: ((a - b).abs().max() / (U * S)).item()  # in units of u S
-    passes = {**{"train " + k: v for k, v in train.items()}, **{"decode " + k: v for k, v in decode.items()}}
+def test_sampling_gives_the_training_pass_log_probs_to_bf16_rounding(kind, monkeypatch):
+    model, tok = sink_model(kind), make_tokenizer()
+    kw = dict(group_size=2, max_new_tokens=12, stop_ids=[EOS], dtype=torch.bfloat16)
+    r = rollout.sample(model, tok, PROMPTS, generator=torch.Generator().manual_seed(0), **kw)
+    ids, mask, C, m = r.input_ids, r.attention_mask, r.completion_ids.size(1), r.completion_mask.bool()
+    assert (r.prompt_mask == 0).any() and m.sum() >= 24, "the test needs left padding and sampled tokens"
+    assert largest_attention_logit(model, ids, mask, monkeypatch) > 1000  # the regime of the bug
+    S = fp32_logits(model, ids, mask, C)[m].abs().max().item()
+    exact = training_logprobs(model, ids, mask, C, True, torch.float32)
+    assert gap(exact, training_logprobs(model, ids, mask, C, False, torch.float32), m, S) < 1e-3  # fp32: sums' order
+    passes = {"sample": r.sample_logp, "train shared": training_logprobs(model, ids, mask, C, True),
+              "train rows": training_logprobs(model, ids, mask, C, False)}
     for name, logp in passes.items():
-        assert gap(logp, exact) <= K, f"{name}: {gap(logp, exact):.1f} u S from fp32, bound {K}"
-    for d, logp in decode.items():
-        for t, want in train.items():
-            assert gap(logp, want) <= 2 * K, f"decode {d} vs train {t}: {gap(logp, want):.1f} u S, bound {2 * K}"
-    assert gap(train["lean"], train["hf"]) <= 2 * K
+        assert gap(logp, exact, m, S) <= K, f"{name}: {gap(logp, exact, m, S):.1f} u S from fp32, bound {K}"
+    for name in ("train shared", "train rows"):
+        g = gap(passes["sample"], passes[name], m, S)
+        assert g <= 2 * K, f"sample vs {name}: {g:.1f} u S, bound {2 * K}"
+    assert gap(passes["train shared"], passes["train rows"], m, S) <= 2 * K
+
+    # the bound has teeth: a sampler whose attention rounds the scores to bf16 is far outside it, the same
+    # attention written out in fp32 (the control: the swap itself changes nothing else) inside it
+    for round_scores in (False, True):
+        attention = lambda q, k, v, attn_mask=None, dropout_p=0.0, scale=None, is_causal=False, **kw: \
+            attend(q, k, v, attn_mask, scale, is_causal, round_scores)[1]
+        with monkeypatch.context() as mp:
+            mp.setattr(F, "scaled_dot_product_attention", attention)
+            r = rollout.sample(model, tok, PROMPTS, generator=torch.Generator().manual_seed(0), **kw)
+        ids, mask, C, m = r.input_ids, r.attention_mask, r.completion_ids.size(1), r.completion_mask.bool()
+        S = fp32_logits(model, ids, mask, C)[m].abs().max().item()
+        g = gap(r.sample_logp, training_logprobs(model, ids, mask, C, True), m, S)
+        assert (g > 2 * K) if round_scores else (g <= 2 * K), f"round_scores={round_scores}: {g:.1f} u S"

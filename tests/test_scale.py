@@ -19,6 +19,7 @@ import toy  # noqa: E402
 from toy import EVAL, REPO, TIMING, TOY_TRAIN, TRAIN, read_metrics, run_script, subprocess_env, train_args  # noqa: E402
 
 import models  # noqa: E402
+import scale  # noqa: E402
 from rollout import token_logprobs  # noqa: E402
 
 pytest.importorskip("peft", reason="pip install -r requirements-extra.txt")  # optional; CI installs it
@@ -70,7 +71,8 @@ def lora4(model_dir, tmp_path_factory):
     """4 LoRA steps, beta 0.04 (the reference is the base), a checkpoint every 2 steps, no export (the export
     merges the policy in place, and these tests look at the policy itself)."""
     out = str(tmp_path_factory.mktemp("lora4"))
-    g = run_script(TRAIN, train_args(model_dir, out, *LORA, "--save-every", 2, "--export", "none", steps=4))
+    g = run_script(TRAIN, train_args(model_dir, out, *LORA, "--config", "save_every=2", "--config", "export=none",
+                                     steps=4))
     return out, g
 
 
@@ -78,9 +80,10 @@ def test_lora_reference_is_the_base_model(lora4, model_dir):
     """The reference pass (the policy with its adapters disabled) gives exactly the base model's log-probs,
     while the trained adapters change them: no second copy of the weights is loaded."""
     _, g = lora4
-    assert g["ref"] is g["policy"] and models.is_lora(g["policy"])
+    assert g["ref"] is g["policy"] and scale.is_lora(g["policy"])
     base = logp(fresh(model_dir))
-    assert torch.equal(logp(g["policy"], g["ref_logprobs"]), base)
+    with g["ref_off"]():  # what train.py runs as the reference
+        assert torch.equal(logp(g["policy"]), base)
     assert (logp(g["policy"]) - base).abs().max() > 1e-4  # the adapters moved the policy
     rows = read_metrics(lora4[0])
     assert rows[0]["kl"] == 0 < rows[-1]["kl"]  # B starts at 0: policy == base until the first update
@@ -107,7 +110,7 @@ def test_lora_trains_the_adapters_and_leaves_the_base_bit_identical(lora4, model
 
 
 def test_lora_base_in_bfloat16_adapters_in_float32(model_dir, tmp_path):
-    g = run_script(TRAIN, train_args(model_dir, str(tmp_path), *LORA, "--dtype", "bfloat16", "--export", "none",
+    g = run_script(TRAIN, train_args(model_dir, str(tmp_path), *LORA, "--dtype", "bfloat16", "--config", "export=none",
                                      steps=1))
     dtypes = {(n.split(".")[-2] if "lora_" in n else "base_linear" if "proj" in n else "rest", q.dtype)
               for n, q in g["policy"].named_parameters()}
@@ -119,7 +122,8 @@ def test_lora_base_in_bfloat16_adapters_in_float32(model_dir, tmp_path):
 @pytest.mark.slow
 def test_lora_resume_in_a_fresh_process_is_exact(lora4, model_dir, tmp_path):
     out = str(tmp_path)
-    run_script(TRAIN, train_args(model_dir, out, *LORA, "--save-every", 2, "--export", "none", steps=2))
+    run_script(TRAIN, train_args(model_dir, out, *LORA, "--config", "save_every=2", "--config", "export=none",
+                                 steps=2))
     proc = subprocess.run([sys.executable, TOY_TRAIN, "--resume", out, "--steps", "4"], cwd=REPO,
                           env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -192,7 +196,7 @@ def test_export_lora_merged(model_dir, tmp_path):
 
 def test_export_lora_adapter_folder(model_dir, tmp_path):
     out = str(tmp_path)
-    run_script(TRAIN, train_args(model_dir, out, *LORA, "--export", "adapter", steps=2))
+    run_script(TRAIN, train_args(model_dir, out, *LORA, "--config", "export=adapter", steps=2))
     hf = os.path.join(out, "hf")
     assert {"adapter_config.json", "adapter_model.safetensors", "tokenizer.json"} <= set(os.listdir(hf))
     model = AutoModelForCausalLM.from_pretrained(hf)  # transformers reads the base, then the adapters
@@ -203,7 +207,7 @@ def test_export_lora_adapter_folder(model_dir, tmp_path):
 def test_eval_export_from_checkpoints(lora4, model_dir, tmp_path):
     """eval.py --export DIR writes the same folder from a ckpt.pt as a run writes at its end."""
     out = str(tmp_path / "run")
-    g = run_script(TRAIN, train_args(model_dir, out, "--export", "none", steps=2))
+    g = run_script(TRAIN, train_args(model_dir, out, "--config", "export=none", steps=2))
     run_script(EVAL, ["--ckpt", out, "--export", tmp_path / "full", "--dtype", "float32"])
     assert torch.equal(logp(AutoModelForCausalLM.from_pretrained(tmp_path / "full")), logp(g["policy"]))
     run_script(EVAL, ["--ckpt", lora4[0], "--export", tmp_path / "adapter", "--adapter"])
@@ -217,20 +221,26 @@ def test_eval_export_from_checkpoints(lora4, model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--export", "adapter"], "--export adapter needs --lora-rank"),
-    ([*LORA, "--fsdp"], "--lora-rank with --fsdp is not supported"),
+    (["--config", "export='adapter'"], "export = 'adapter' needs --lora-rank"),
     (["--fsdp"], "--fsdp shards over torchrun's processes"),
     (["--lora-rank", -1], "--lora-rank must be >= 0"),
-    ([*LORA, "--lora-alpha", 0], "--lora-alpha must be > 0"),
-    ([*LORA, "--lora-dropout", 1], "--lora-dropout must be [0, 1)"),
-    ([*LORA, "--lora-targets", "nope_proj"], "--lora-targets nope_proj"),
-    ([*LORA, "--ref-sync-every", 1], "--lora-rank: the reference is the base"),
-    (["--export", "nope"], "invalid choice: 'nope'"),
-], ids=["adapter-without-lora", "lora-fsdp", "fsdp-without-torchrun", "rank", "alpha", "dropout", "targets",
-        "lora-ref-sync", "export"])
+    ([*LORA, "--config", "ref_sync_every=1"], "--lora-rank: the reference is the base"),
+    (["--config", "export=nope"], "config key export 'nope': choose from"),
+], ids=["adapter-without-lora", "fsdp-without-torchrun", "rank", "lora-ref-sync", "export"])
 def test_bad_scale_flags_are_one_line_errors(model_dir, tmp_path, capsys, extra, message):
     code, last = error_line(TRAIN, train_args(model_dir, str(tmp_path / "out"), *extra, steps=1), capsys)
     assert code == 2 and message in last, last
+
+
+@pytest.mark.parametrize("extra", [LORA, ("--config", "ref_sync_every=1"), ("--dtype", "float16")],
+                         ids=["lora", "ref-sync", "float16"])
+def test_what_fsdp_does_not_take_is_refused_before_any_process_group(model_dir, tmp_path, capsys, monkeypatch, extra):
+    """Checked before torch.distributed starts: rank 0 of a 2-process run, as torchrun sets it up."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    code, last = error_line(TRAIN, train_args(model_dir, str(tmp_path / "out"), "--fsdp", *extra, steps=1), capsys)
+    assert code == 2 and "--fsdp takes neither --lora-rank, ref_sync_every nor --dtype float16" in last, last
 
 
 def test_lora_without_peft_is_a_one_line_install_hint(model_dir, tmp_path, capsys, monkeypatch):
@@ -289,17 +299,21 @@ def three_runs(model_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("three")
     runs = {k: str(root / k) for k in ("one", "ddp", "fsdp")}
     extra = ("--eval-every", 1, "--eval-n", 2)
-    run_script(TRAIN, train_args(model_dir, runs["one"], *extra, steps=2))
-    torchrun(train_args(model_dir, runs["ddp"], *extra, steps=2))
-    torchrun(train_args(model_dir, runs["fsdp"], *extra, "--fsdp", steps=2))
+    g = run_script(TRAIN, train_args(model_dir, runs["one"], *extra, steps=2))
+    ddp = torchrun(train_args(model_dir, runs["ddp"], *extra, steps=2))
+    fsdp = torchrun(train_args(model_dir, runs["fsdp"], *extra, "--fsdp", steps=2))
+    # each group's prompt ran once through the KV cache in all three (under FSDP2 the decoder's units then
+    # run twice a micro-batch: the prompt pass, the completion pass): what is compared is the shared path
+    assert g["share"] and all('"prompt_sharing": true' in p.stdout for p in (ddp, fsdp))
     return runs
 
 
 @pytest.mark.slow
 def test_fsdp_two_processes_equal_one_process_and_the_all_reduce_path(three_runs, model_dir):
     """Parameters after 2 steps, to the bounds of assert_same_training (FSDP reduce-scatters each
-    micro-batch's gradient: another order of the same fp32 sums). AdamW does not see a gradient's scale,
-    so the logged global gradient norm checks the averaging and the clipping: equal to 1e-5 relative."""
+    micro-batch's gradient: another order of the same fp32 sums), prompts shared through the KV cache in all.
+    AdamW does not see a gradient's scale, so the logged global gradient norm checks the averaging and the
+    clipping: equal to 1e-5 relative."""
     init = fresh(model_dir).state_dict()
     one = fp32_state(os.path.join(three_runs["one"], "ckpt.pt"))
     for k in one:
@@ -352,8 +366,9 @@ def test_lora_on_two_processes_starts_alike_and_averages_the_adapters(model_dir,
     """peft draws A from the global RNG, which train.py seeds per rank: the adapters are drawn from --seed
     instead, so both ranks start from, and keep, the same adapters, and 2 processes train as 1 does."""
     one, two, dump = str(tmp_path / "one"), str(tmp_path / "two"), str(tmp_path / "params")
-    run_script(TRAIN, train_args(model_dir, one, *LORA, "--export", "none", steps=2))
-    torchrun(train_args(model_dir, two, *LORA, "--export", "none", steps=2), TOY_DUMP_PARAMS=dump)
+    run_script(TRAIN, train_args(model_dir, one, *LORA, "--config", "export=none", steps=2))
+    proc = torchrun(train_args(model_dir, two, *LORA, "--config", "export=none", steps=2), TOY_DUMP_PARAMS=dump)
+    assert '"prompt_sharing": true' in proc.stdout  # the adapters run on the shared-prompt path too
     p0, p1 = torch.load(dump + ".rank0.pt"), torch.load(dump + ".rank1.pt")
     for k, v in p0.items():
         assert torch.equal(v, p1[k]), k

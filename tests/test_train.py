@@ -94,14 +94,16 @@ def toy_rewards(completions, prompts):
     return [toy.frac_even([c])[0] + 0.5 * toy.first_parity([c], [a])[0] for c, a in zip(completions, gold)]
 
 
-@pytest.mark.parametrize("extra", [(), ("--gradient-checkpointing",)], ids=["prompts-shared", "whole-rows"])
+@pytest.mark.parametrize("extra", [(), ("--micro-batch", 8), ("--gradient-checkpointing",)],
+                         ids=["prompts-shared", "two-prompts-a-call", "whole-rows"])
 def test_first_step_loss_and_gradient_are_grpo_loss_by_hand(model_dir, tmp_path, monkeypatch, capsys, extra):
     """Step 1 against an independent computation on the rollout it sampled: rewards from the toy fns,
     advantages (r - mean) / (std + 1e-4) per group written out here, log-probs from the initial model's full
     (N, C, V) logits over whole rows (no KV cache, no micro-batches), the reference == the policy. The logged
     loss and pre-clip gradient norm must be grpo_loss's on those, and the update AdamW's first step on that
-    gradient. By default each group's prompt runs once through the KV cache; with --gradient-checkpointing
-    (no cache in training) whole rows run, and one line says so.
+    gradient. By default each group's prompt runs once through the KV cache (one group a micro-batch, or two
+    prompts of other lengths in one); with --gradient-checkpointing (no cache in training) whole rows run,
+    and one line says so.
     Bounds: fp32 on both sides, only the summation order differs (prompt pass apart, micro-batches): log-probs
     agree to ~1e-6, the norm (~1) to ~1e-6 relative (rtol 1e-5). AdamW's first update is lr * g / (|g| + 1e-8)
     after clipping, i.e. lr * sign(g) to 1e-4 where |g| > 1e-4, far above the gradients' rounding (~1e-6)."""
@@ -112,8 +114,9 @@ def test_first_step_loss_and_gradient_are_grpo_loss_by_hand(model_dir, tmp_path,
     out = str(tmp_path)
     g = run_script(TRAIN, train_args(model_dir, out, *extra, steps=1))
     sharing_off = [x for x in capsys.readouterr().out.splitlines() if x.startswith("prompt sharing off:")]
-    assert g["share"] is not bool(extra)
-    assert sharing_off == ([] if not extra else [
+    checkpointing = "--gradient-checkpointing" in extra
+    assert g["share"] is not checkpointing
+    assert sharing_off == ([] if not checkpointing else [
         "prompt sharing off: gradient checkpointing: transformers drops the KV cache in training; "
         "the log-prob passes run whole rows"])
     [(prompts, r)] = sampled
@@ -289,12 +292,10 @@ def test_later_config_file_wins(model_dir, tmp_path):
     g = run_script(TRAIN, ["--config", tmp_path / "base.py", "--config", tmp_path / "ablation.py", *argv])
     assert (g["args"].max_new_tokens, g["args"].lr) == (3, 5e-4)
     # an inline name=value is one more config, in order: after the files it wins, before them it loses
-    g = run_script(TRAIN, ["--config", tmp_path / "base.py", "--config", "max_new_tokens=2", *argv,
-                           "--config", "lr=2e-4", "--overwrite"])
-    assert (g["args"].max_new_tokens, g["args"].lr) == (2, 2e-4)
-    g = run_script(TRAIN, ["--config", "max_new_tokens=2", "--config", tmp_path / "ablation.py", *argv,
-                           "--overwrite"])
-    assert g["args"].max_new_tokens == 3
+    for i, (configs, want) in enumerate([(["--config", tmp_path / "base.py", "--config", "max_new_tokens=2"], 2),
+                                         (["--config", "max_new_tokens=2", "--config", tmp_path / "ablation.py"], 3)]):
+        argv[argv.index("--out-dir") + 1] = str(tmp_path / f"out{i}")
+        assert run_script(TRAIN, [*configs, *argv])["args"].max_new_tokens == want
 
 
 def test_save_every_zero_saves_nothing(model_dir, tmp_path):
