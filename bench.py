@@ -4,6 +4,7 @@ Benchmark one GRPO step of train.py, optionally side by side with TRL's GRPOTrai
     python bench.py                       # our loop: per-phase times, tokens/s, peak RSS
     python bench.py --vs-trl --rounds 3   # + TRL GRPOTrainer (pip install trl==1.16.0), in turn, median ratios
     python bench.py --grid                # cost growth: group size 4/8/16, max new tokens 64/128/256
+    python bench.py --compile             # torch.compile of the training forward: eager vs compiled, 80-step projection
 
 The standard configuration: SmolLM2-135M-Instruct, 2 GSM8K prompts x G=8 = 16 completions, 128 new
 tokens, temperature 1.0, beta=0.04 (reference model on), mu=1, lr 1e-6, fp32 master weights with bf16
@@ -46,6 +47,8 @@ p.add_argument("--vs-trl", action="store_true", help="also run TRL's GRPOTrainer
 p.add_argument("--rounds", type=int, default=1,
                help="with --vs-trl: run the two sides one after the other this many times and also print "
                     "the median ratios (a VM's speed can drift within minutes)")
+p.add_argument("--compile", action="store_true", help="time the training pass (arith-shaped micro-batch, "
+               "share=True) eager vs the decoder torch.compile'd, interleaved; print the 80-step projection")
 p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
 p.add_argument("--out", default=None, help=argparse.SUPPRESS)
 args = p.parse_args()
@@ -54,7 +57,6 @@ if args.dtype == "auto":  # resolved here, so that TRL's side runs in the same d
     args.dtype = str(resolve_dtype("auto", resolve_device("auto"))[0]).removeprefix("torch.")
 if args.rounds < 1:
     p.error("--rounds must be at least 1")
-
 
 def ours_child(out):
     """Run train.py in this process; its metrics.jsonl gives the per-phase times."""
@@ -71,7 +73,6 @@ def ours_child(out):
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     keys = ("t_step", "t_generate", "t_reference", "t_train", "completion_len", "prompt_len", "loss")
     return [{k: r[k] for k in keys} for r in rows]
-
 
 def trl_child(out):
     """TRL's GRPOTrainer at the same settings; a callback times each optimizer step."""
@@ -114,6 +115,74 @@ def trl_child(out):
     lens = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     return [dict(r, completion_len=l) for r, l in zip(timer.rows, lens)]
 
+def compile_bench(rounds=6, widths=(16, 32, 48), steps=80):
+    """Forward+backward of token_logprobs (share=True, as train.py) on 2 arith prompts x G=8, completion widths
+    bucketed to multiples of 16 (bounds recompiles), eager and compiled in turn on the same batch (drift hits both)."""
+    import random
+    import torch
+    from torch._dynamo.utils import counters
+    import rollout
+    from models import load_model, load_tokenizer, resolve_device
+    from rollout import stop_token_ids
+    from tasks import TASKS
+    dev, dtype, G, rng = resolve_device("auto"), getattr(torch, args.dtype), 8, random.Random(0)
+    gen = torch.Generator().manual_seed(0)
+    tok, model = load_tokenizer(args.model), load_model(args.model, resolve_device("auto"))  # fp32 master weights
+    stop, task, decoder = stop_token_ids(tok, model), TASKS["arith"], model.get_decoder()
+    examples, V = task.load("train"), model.config.vocab_size
+    compiled = torch.compile(decoder.forward, dynamic=True)
+
+    def batch(width):  # lengths 8..width (one row at width), random ids, a stop token ends each row that fits
+        ids, mask = rollout.left_pad(rollout.encode_prompts(tok, [task.prompt(e) for e in rng.sample(examples, 2)]),
+                                     stop[0])  # (2, P)
+        lens = [rng.randint(8, width) for _ in range(2 * G - 1)] + [width]
+        comp = torch.randint(100, V, (2 * G, width), generator=gen)  # (16, width) no special token (< 100)
+        for i, n in enumerate(lens[:-1]):
+            comp[i, n - 1] = stop[0]
+        cmask = rollout.completion_mask_from_stops(comp, stop)[0]
+        return torch.cat([ids.repeat_interleave(G, 0), comp.masked_fill(cmask == 0, stop[0])], 1), \
+            torch.cat([mask.repeat_interleave(G, 0), cmask], 1)  # (16, P+width) each
+
+    def step(fwd, ids, mask, width):  # -> (seconds, new graphs, logp)
+        decoder.forward, g0, t = fwd, counters["stats"]["unique_graphs"], time.perf_counter()
+        with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
+            logp, ent, _ = rollout.token_logprobs(model, ids, mask, width, with_entropy=True, share=True)
+        (logp.sum() + 0.01 * ent.sum()).backward()
+        model.zero_grad(set_to_none=True)
+        return time.perf_counter() - t, counters["stats"]["unique_graphs"] - g0, logp.detach()
+
+    model.train()
+    eager = decoder.forward
+    step(eager, *batch(16), 16)  # warm-up (oneDNN primitives), not timed
+    rows = []  # (round, width, P, t_eager, t_compiled, new graphs, max |dlogp|)
+    for r in range(rounds):
+        for w in widths:
+            ids, mask = batch(w)
+            te, _, le = step(eager, ids, mask, w)
+            tc, ng, lc = step(compiled, ids, mask, w)
+            rows.append((r, w, ids.size(1) - w, te, tc, ng, (le - lc).abs().max().item()))
+            print(f"round {r} width {w} P {rows[-1][2]}: eager {te:.2f}s compiled {tc:.2f}s new graphs {ng} "
+                  f"max|dlogp| {rows[-1][6]:.3g}", flush=True)
+    med = lambda xs: statistics.median(xs) if xs else float("nan")
+    te, tc = med([x[3] for x in rows]), med([x[4] for x in rows if not x[5]])  # compiled: steps that did not compile
+    comp_s = sum(x[4] - med([y[4] for y in rows if y[1] == x[1] and not y[5]]) for x in rows if x[5])
+    cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
+    print(f"\n{cpu}, {dev} {args.dtype} autocast | {torch.get_num_threads()} threads | torch {torch.__version__} | "
+          f"graph breaks {sum(counters['graph_break'].values())} | recompiles (steps with new graphs) "
+          f"{sum(1 for x in rows if x[5])} | unique graphs {counters['stats']['unique_graphs']}\n")
+    print("| width | eager s (median) | compiled s (median, no compile) | compile s (first steps - median) |")
+    print("|---|---:|---:|---:|")
+    for w in widths:
+        e, c = med([x[3] for x in rows if x[1] == w]), med([x[4] for x in rows if x[1] == w and not x[5]])
+        print(f"| {w} | {e:.2f} | {c:.2f} | {sum(x[4] - c for x in rows if x[1] == w and x[5]):.1f} |")
+    print(f"\n{steps} steps, training pass: eager {steps} x {te:.2f} = {steps * te:.0f} s; compiled "
+          f"{comp_s:.0f} + {steps} x {tc:.2f} = {comp_s + steps * tc:.0f} s ({te / tc:.2f}x per step). The reference "
+          "pass (no grad) gains at most proportionally, and pays its own compile.")
+
+
+if args.compile:
+    compile_bench()
+    sys.exit(0)
 
 if args.child:  # one side, in its own process, so its peak RSS is its own
     sys.path.insert(0, HERE)
@@ -121,7 +190,6 @@ if args.child:  # one side, in its own process, so its peak RSS is its own
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB on Linux
     json.dump({"rows": rows, "peak_rss_gib": peak}, open(args.out, "w"))
     sys.exit(0)
-
 
 def run_side(name, **over):
     """One side in a fresh process -> (medians of the timed steps, peak RSS GiB, all rows)."""
@@ -135,7 +203,6 @@ def run_side(name, **over):
     med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
     return med, res["peak_rss_gib"], res["rows"]
 
-
 def matmul_gflops(dtype, n=10):
     """The machine's matmul speed in `dtype` (GFLOP/s): SmolLM2's MLP shape, 2048 x 576 by 576 x 1536, median of n."""
     import torch
@@ -146,7 +213,6 @@ def matmul_gflops(dtype, n=10):
         a @ b
         times.append(time.perf_counter() - t)
     return 2 * 2048 * 576 * 1536 / statistics.median(times[2:]) / 1e9
-
 
 def step_flops(cfg, prompts, G, p, c):
     """Matmul FLOPs of one step by phase, from the model's shapes: B prompts of p tokens, G completions of c
@@ -170,7 +236,6 @@ print(f"# {time.strftime('%Y-%m-%d')} | {cpu} | {os.cpu_count()} cores, torch {t
       f"{torch.get_num_threads()} threads | {args.model}, {args.prompts_per_step}x{args.group_size} completions, "
       f"{args.max_new_tokens} new tokens, beta {args.beta}, {args.dtype} autocast, "
       f"{args.steps - 1} timed steps")
-
 
 def fmt(x, spec=".1f"):
     return "-" if x is None else format(x, spec)

@@ -23,7 +23,6 @@ import run
 from models import DTYPES, check_dtype, load_model, load_tokenizer, resolve_device, resolve_dtype
 from tasks import TASKS, evaluate, pass_at_k  # noqa: F401 (pass_at_k: eval.pass_at_k)
 
-
 def load_checkpoint(path):
     """A run dir or its ckpt.pt -> (path, the checkpoint dict); ValueError in one line when unreadable."""
     path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
@@ -35,7 +34,6 @@ def load_checkpoint(path):
     except Exception as e:  # truncated or foreign file
         raise ValueError(f"checkpoint {path} is unreadable ({type(e).__name__}); pass another one") from None
     return path, ckpt
-
 
 def load_checkpoint_model(path, device, dtype, merge=True):
     """A train.py checkpoint (ckpt.pt or its run dir) -> (model, tokenizer, the run's flags). A LoRA run's
@@ -58,7 +56,6 @@ def load_checkpoint_model(path, device, dtype, merge=True):
         model = load_model(cfg["model"], device, dtype, trainable=False)
         model.load_state_dict(ckpt["model"])
     return model.to(device, dtype), load_tokenizer(cfg["model"]), cfg
-
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -130,7 +127,6 @@ def main():
         if os.path.exists(tmp):
             os.remove(tmp)
 
-
 def export(p, args):
     """eval.py --ckpt RUN --export DIR [--adapter]: the checkpoint as a folder transformers loads."""
     if not args.ckpt:
@@ -148,7 +144,6 @@ def export(p, args):
     if failed:
         sys.exit(f"error: {failed}")
     print(f"exported {args.ckpt} ({'adapter' if args.adapter else name}) to {args.export}")
-
 
 if __name__ == "__main__":
     main()

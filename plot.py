@@ -15,7 +15,6 @@ import sys
 
 from run import read_jsonl
 
-
 def read_metrics(path):
     """A run dir or its metrics.jsonl -> its rows (dicts with a step), sorted by step; ValueError if none."""
     path = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
@@ -26,12 +25,10 @@ def read_metrics(path):
         raise ValueError(f"{path} has no metrics rows (empty, or the run has not logged a step); nothing plotted")
     return sorted(rows, key=lambda r: r["step"])
 
-
 def series(rows, key):
     """(steps, values) of the rows that logged `key`; null (a non-finite value in the run) is left out."""
     pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
     return [s for s, _ in pts], [v for _, v in pts]
-
 
 def running_mean(values, window):
     out, total = [], 0.0
@@ -39,7 +36,6 @@ def running_mean(values, window):
         total += v - (values[i - window] if i >= window else 0.0)
         out.append(total / min(i + 1, window))
     return out
-
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,7 +90,6 @@ def main():
     except OSError as e:
         sys.exit(f"error: --out {args.out} cannot be written ({e.strerror or e}); pass another path")
     print(f"wrote {args.out}")
-
 
 if __name__ == "__main__":
     main()

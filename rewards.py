@@ -1,8 +1,10 @@
-r"""
-Scoring: answer extraction, reward fns `fn(completions, **fields) -> list[float]` (one finite number per
+r"""Scoring: answer extraction, reward fns `fn(completions, **fields) -> list[float]` (one finite number per
 completion; fields are per-completion lists, e.g. answer=[...], num_tokens=[...], taken by name, `**_` the rest)
 and their weighted sum. Extraction as lm-eval-harness gsm8k strict-match (lm_eval/tasks/gsm8k/gsm8k.yaml) and
-flexible-extract, and Qwen2.5-Math's last `\\boxed{...}` (QwenLM/Qwen2.5-Math evaluation/parser.py).
+flexible-extract, and Qwen2.5-Math's last `\boxed{...}` (QwenLM/Qwen2.5-Math evaluation/parser.py):
+>>> text = "4 + 4 = 8\n#### 8\nQuestion: ...\n#### 2, \\boxed{\\frac{3}{4}}: she pays $1,200.50"
+>>> extract_strict(text), extract_boxed(text), extract_flexible(text), answers_match("$1,000.", "1000")
+('8', '\\frac{3}{4}', '$1,200.50', True)
 """
 
 import math
@@ -10,83 +12,54 @@ import numbers
 import re
 from fractions import Fraction
 
-# lm-eval-harness strict-match, verbatim: a space after ####, no `$`
-STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")
-# a number: optional sign and `$`, digits with thousands commas, optional decimals
-NUMBER_RE = re.compile(r"-?\$?\d(?:[\d,]*\d)?(?:\.\d+)?")
+STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")  # lm-eval-harness strict-match, verbatim: a space after ####, no `$`
+NUMBER_RE = re.compile(r"-?\$?\d(?:[\d,]*\d)?(?:\.\d+)?")  # optional sign and `$`, thousands commas, decimals
 FRAC_RE = re.compile(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}")
 
 # -----------------------------------------------------------------------------
 # answer extraction
 
 def extract_gold(solution_text):
-    """Gold answer of a GSM8K solution: the text after the last `####`, commas stripped.
-    >>> extract_gold("2 + 3 = <<2+3=5>>5 so ...\\n#### 1,005")
-    '1005'
-    """
+    """Gold answer of a GSM8K solution: the text after the last `####`, commas stripped ("#### 1,005" -> "1005")."""
     gold = solution_text.rsplit("####", 1)[1].strip().replace(",", "") if "####" in solution_text else None
     if not gold:
         what = "no '#### <answer>' line" if gold is None else "nothing after '####'"
         raise ValueError(f"{what} in solution: {solution_text[-80:]!r}")
     return gold
 
-
 def extract_strict(text):
-    """The number on the first `#### N` line, or None (a model that runs on answered with its first).
-    >>> extract_strict("5 + 3 = 8\\n#### 8\\nQuestion: ...\\n#### 2")
-    '8'
-    """
+    """The number on the first `#### N` line, or None (a model that runs on answered with its first)."""
     return m.group(1) if (m := STRICT_RE.search(text)) else None
 
-
 def extract_boxed(text):
-    """Contents of the last `\\boxed{...}` (nested braces allowed), or None if absent/unclosed.
-    >>> extract_boxed(r"so \\boxed{\\frac{3}{4}}.")
-    '\\\\frac{3}{4}'
-    """
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    i, depth = start + len("\\boxed{"), 1
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
+    """Contents of the last `\\boxed{...}` (nested braces allowed), or None if absent/unclosed."""
+    _, box, rest = text.rpartition("\\boxed{")
+    depth = 1
+    for j, ch in enumerate(rest if box else ""):
+        depth += {"{": 1, "}": -1}.get(ch, 0)
         if depth == 0:
-            return text[i:j].strip()
-    return None  # truncated mid-answer
-
+            return rest[:j].strip()
+    return None  # absent, or truncated mid-answer
 
 def extract_flexible(text):
-    """The last number in the text (commas and `$` kept; answers_match strips them), or None.
-    >>> extract_flexible("She pays $1,200.50 in total.")
-    '$1,200.50'
-    """
+    """The last number in the text (commas and `$` kept; answers_match strips them), or None."""
     return (NUMBER_RE.findall(text) or [None])[-1]
-
 
 def extract_answer(text):
     """The final answer line used for correctness: strict `#### N`, else the last `\\boxed{}`."""
     return strict if (strict := extract_strict(text)) is not None else extract_boxed(text)
 
-
 def has_final_answer(text):
     """True if the final-answer line (`#### N` or `\\boxed{}`) is there with a digit in it."""
     return any(ch.isdigit() for ch in extract_answer(text) or "")
 
-
-def _normalise(s):
-    s = FRAC_RE.sub(r"\1/\2", s.strip())
-    for junk in ("\\$", "$", "\\!", "\\,", "\\ ", ",", " "):
-        s = s.replace(junk, "")
-    return s.rstrip(".")
-
-
 def answers_match(pred, gold):
     """True if pred equals gold as a number (`$`, commas, spaces, a trailing `.` ignored; `3/4` and
-    `\\frac{3}{4}` are numbers), else as a string. A None or empty prediction never matches.
-    >>> answers_match("$1,000.", "1000"), answers_match("72.0", "72"), answers_match(None, "1")
-    (True, True, False)
-    """
-    p, g = ("" if x is None else _normalise(str(x)) for x in (pred, gold))
+    `\\frac{3}{4}` are numbers), else as a string. A None or empty prediction never matches."""
+    p, g = ("" if x is None else FRAC_RE.sub(r"\1/\2", str(x).strip()) for x in (pred, gold))
+    for junk in ("\\$", "$", "\\!", "\\,", "\\ ", ",", " "):
+        p, g = p.replace(junk, ""), g.replace(junk, "")
+    p, g = p.rstrip("."), g.rstrip(".")
     if not p or not g:
         return False
     try:
@@ -101,11 +74,9 @@ def correctness_reward(completions, answer, **_):
     """1.0 where the final-answer line (strict `#### N`, else `\\boxed{}`) matches the gold answer."""
     return [float(answers_match(extract_answer(c), a)) for c, a in zip(completions, answer)]
 
-
 def format_reward(completions, **_):
     """1.0 where the required final-answer line is there: a strict `#### N` or a `\\boxed{}`."""
     return [float(has_final_answer(c)) for c in completions]
-
 
 def overlong_reward(max_len, buffer):
     """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13) as a reward fn: with L = max_len, B = buffer,
@@ -124,35 +95,42 @@ def overlong_reward(max_len, buffer):
 # -----------------------------------------------------------------------------
 # combining
 
+def parse_weights(spec, reward_fns):
+    """"correct=1,format=0.1" -> {name: weight}; ValueError names the item that is not name=finite number."""
+    weights = {}
+    for item in spec.split(",") if spec else []:
+        name, _, w = item.partition("=")
+        try:
+            weights[name] = float(w)
+        except ValueError:
+            weights[name] = math.nan
+        if name not in reward_fns or not math.isfinite(weights[name]):
+            raise ValueError(f"'{item}' is not name=number with name in {sorted(reward_fns)}")
+    return weights
+
 class RewardError(ValueError):
     """A reward fn failed or broke the contract; the one-line message names the fn and what is wrong."""
-
 
 def _show(text, width=60):  # a completion in a one-line message: repr escapes newlines, long text is cut
     return repr(text[:width]) + ("..." if len(text) > width else "")
 
-
-def _blame(fn, completions, fields, error):
-    """(where, exception): the first completion fn raises on when called on it alone, else the whole batch."""
-    for i in range(len(completions)):
+def _blame(fn, completions, fields, error):  # fn rerun on one completion at a time: the first it raises on, if any
+    for i, c in enumerate(completions):
         try:
-            fn([completions[i]], **{k: v[i:i + 1] if isinstance(v, (list, tuple)) else v for k, v in fields.items()})
+            fn([c], **{k: v[i:i + 1] if isinstance(v, (list, tuple)) else v for k, v in fields.items()})
         except Exception as e:
-            return f"completion {i} {_show(completions[i])}", e
+            return f"completion {i} {_show(c)}", e
     return f"the batch of {len(completions)}", error
 
-
-def _number(v):
-    """v as a finite float, or None: real numbers only (a str, a list, a complex is no reward)."""
+def _number(v):  # v as a finite float, or None: real numbers only (a str, a list, a complex is no reward)
     v = v.item() if getattr(v, "ndim", None) == 0 and hasattr(v, "item") else v  # numpy / 0-dim tensor scalars
     return float(v) if isinstance(v, numbers.Real) and math.isfinite(v) else None
-
 
 def combine_rewards(reward_fns, weights, completions, **fields):
     """total[i] = sum_k weights[k] * reward_fns[k](completions, **fields)[i] -> (total, per_fn: each fn's values).
     Every fn needs a weight (0.0 only logs it). A fn that raises, or returns anything but a list/tuple (or 1-D
-    tensor/array) of N finite real numbers, is a RewardError naming it: a nan, a dict's keys, a str's
-    characters would otherwise train silently."""
+    tensor/array) of N finite real numbers, is a RewardError naming it: a nan, a dict's keys, a str's characters
+    would otherwise train silently."""
     if set(weights) != set(reward_fns):
         raise ValueError(f"weights for {sorted(weights)}, reward fns {sorted(reward_fns)}; "
                          "give each fn one weight (0.0 only logs it)")
@@ -172,8 +150,7 @@ def combine_rewards(reward_fns, weights, completions, **fields):
             where, e = _blame(fn, completions, fields, e)
             msg = " ".join(f"{type(e).__name__}: {e}".split())[:200]  # one line, however the fn words it
             raise RewardError(f"reward {name!r} raised {msg} on {where}; fix the function or its weight") from e
-        if getattr(raw, "ndim", None) == 1 and hasattr(raw, "tolist"):  # a 1-D torch tensor or numpy array
-            raw = raw.tolist()
+        raw = raw.tolist() if getattr(raw, "ndim", None) == 1 and hasattr(raw, "tolist") else raw  # 1-D tensor/array
         if not isinstance(raw, (list, tuple)):
             raise bad(f"returned a {type(raw).__name__}, not a list of numbers")
         if len(raw) != n:

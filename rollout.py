@@ -1,11 +1,9 @@
-"""
-Sampling G completions per prompt, and teacher-forced log-probs of the sampled tokens, all through the model's
+"""Sampling G completions per prompt, and teacher-forced log-probs of the sampled tokens, all through the model's
 own modules: `model(...)` with transformers' KV cache to sample, its decoder and `lm_head` for log-probs, so a
 fork's LoRA, hook or swapped layer is what runs. Conventions: rows are grouped contiguously (prompt i owns rows
 i*G ... i*G+G-1); prompts are left-padded, completions right-padded; position_ids = cumsum(attention_mask) - 1;
 completion_mask covers the completion up to AND including the first stop token, found by position, never from
-pad_token_id (SmolLM2's pad is its EOS: a pad-based mask would drop the EOS, and the model never learns to stop).
-"""
+pad_token_id (SmolLM2's pad is its EOS: a pad-based mask would drop the EOS, and the model never learns to stop)."""
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -16,7 +14,6 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 import grpo
-
 
 @dataclass
 class Rollout:
@@ -37,7 +34,6 @@ class Rollout:
     def attention_mask(self):
         return torch.cat([self.prompt_mask, self.completion_mask], 1)  # (N, P+C)
 
-
 def encode_prompts(tokenizer, prompts):
     """Prompts (chat messages or strings) -> token-id lists; without a chat template messages join by newlines."""
     out = []
@@ -51,7 +47,6 @@ def encode_prompts(tokenizer, prompts):
             out.append(tokenizer(text)["input_ids"])
     return out
 
-
 def left_pad(seqs, pad_id):
     """List of id lists -> (ids (B, P), mask (B, P)) with padding on the left."""
     P = max(len(s) for s in seqs)
@@ -62,6 +57,12 @@ def left_pad(seqs, pad_id):
         mask[i, P - len(s):] = 1
     return ids, mask
 
+def stop_token_ids(tokenizer, model):
+    """The tokenizer's eos plus every id in generation_config.eos_token_id (Qwen lists two)."""
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
+    return sorted(i for i in ids if i is not None)
 
 def completion_mask_from_stops(completion_ids, stop_ids):
     """(N, C) sampled ids -> (mask (N, C) up to and including the first stop, truncated (N,) bool)."""
@@ -72,7 +73,6 @@ def completion_mask_from_stops(completion_ids, stop_ids):
     mask = torch.arange(C, device=completion_ids.device)[None] <= first[:, None]  # (N, C)
     return mask.long(), ~has_stop
 
-
 def filter_logits(logits, top_p=1.0):
     """Nucleus filtering, logits (N, V) -> (N, V): a token goes (-inf) once the mass before it reaches top_p."""
     if top_p >= 1.0:
@@ -82,13 +82,11 @@ def filter_logits(logits, top_p=1.0):
     drop = (probs.cumsum(-1) - probs) >= top_p
     return logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
 
-
 def sample_from_logits(logits, u):
     """One token per row by inverse CDF from one uniform u (N,) in [0, 1): one random number per row, not
     per vocabulary entry as torch.multinomial. A -inf token has an empty CDF interval: never drawn."""
     cdf = logits.softmax(-1).cumsum(-1)  # (N, V)
     return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=cdf.size(-1) - 1).squeeze(1)
-
 
 def _autocast(model, dtype):
     """Autocast to `dtype` when it is lower than the weights' (fp32 master weights, bf16 compute)."""
@@ -96,35 +94,28 @@ def _autocast(model, dtype):
     on = dtype is not None and dtype != p.dtype and dtype != torch.float32
     return torch.autocast(p.device.type, dtype=dtype) if on else nullcontext()
 
-
 @torch.no_grad()
 def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature=1.0, top_p=1.0,
            generator=None, dtype=None, max_prompt_tokens=None):
-    """Sample `group_size` completions for each prompt (temperature 0: greedy) through `model(...)` and its
-    KV cache: each prompt is prefilled once and its cache repeated G times. All rows decode together until
-    each has a stop token or max_new_tokens is reached. generator: a torch.Generator, or one per prompt (a
-    prompt's completions then do not depend on its neighbours or the process). dtype: the compute dtype.
-    max_prompt_tokens: longer prompts keep their last tokens."""
+    """Sample `group_size` completions for each prompt (temperature 0: greedy) through `model(...)` and its KV
+    cache: each prompt is prefilled once and its cache repeated G times; all rows decode together until each has
+    a stop token or max_new_tokens is reached. generator: a torch.Generator, or one per prompt (its completions
+    then do not depend on its neighbours or the process). max_prompt_tokens: longer prompts keep their last ones."""
     if group_size < 1 or max_new_tokens < 1 or not temperature >= 0 or not 0 < top_p <= 1:
         raise ValueError(f"need group_size, max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1; got "
                          f"{group_size}, {max_new_tokens}, {temperature}, {top_p}")
     was_training, G = model.training, group_size
     model.eval()  # no dropout, and HF drops the KV cache in train mode under gradient checkpointing
-    device = next(model.parameters()).device
-    pad_id = stop_ids[0]  # any id works: padding is masked everywhere
+    device, pad_id = next(model.parameters()).device, stop_ids[0]  # any pad id works: padding is masked everywhere
     seqs = encode_prompts(tokenizer, prompts)
     cut = torch.tensor([max_prompt_tokens is not None and len(s) > max_prompt_tokens for s in seqs])  # (B,)
     seqs = [s[-max_prompt_tokens:] for s in seqs] if max_prompt_tokens else seqs
     ids, mask = (t.to(device) for t in left_pad(seqs, pad_id))  # (B, P)
     N = ids.size(0) * G
     # one uniform per row and token, drawn up front (per prompt when given a generator per prompt)
-    if isinstance(generator, (list, tuple)):
-        u = torch.cat([torch.rand(G, max_new_tokens, generator=g, device=g.device) for g in generator])
-    else:
-        u = torch.rand(N, max_new_tokens, generator=generator, device=generator.device if generator else None)
-    u = u.to(device)  # (N, max_new_tokens)
-    stop = torch.as_tensor(stop_ids, device=device)
-    done = torch.zeros(N, dtype=torch.bool, device=device)
+    gens, rows = (generator, G) if isinstance(generator, (list, tuple)) else ([generator], N)
+    u = torch.cat([torch.rand(rows, max_new_tokens, generator=g, device=g and g.device) for g in gens]).to(device)
+    stop, done = torch.as_tensor(stop_ids, device=device), torch.zeros(N, dtype=torch.bool, device=device)
     tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logps = torch.zeros(N, max_new_tokens, device=device)
     cache = DynamicCache(config=model.config)
@@ -136,13 +127,9 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
             cache.batch_repeat_interleave(G)
             mask, pos = mask.repeat_interleave(G, 0), pos[:, -1:].repeat_interleave(G, 0)  # (N, P), (N, 1)
             for t in range(max_new_tokens):
-                logits = logits.float()  # (N, V)
-                if temperature > 0 and temperature != 1.0:
-                    logits = logits / temperature
-                tok = sample_from_logits(filter_logits(logits, top_p), u[:, t]) if temperature > 0 else \
-                    logits.argmax(-1)  # (N,)
-                tok = tok.masked_fill(done, pad_id)
-                tokens[:, t] = tok
+                logits = logits.float() / (temperature or 1.0)  # (N, V)
+                tok = sample_from_logits(filter_logits(logits, top_p), u[:, t]) if temperature else logits.argmax(-1)
+                tokens[:, t] = tok = tok.masked_fill(done, pad_id)  # (N,)
                 logps[:, t] = logits.log_softmax(-1).gather(1, tok[:, None]).squeeze(1)
                 done |= torch.isin(tok, stop)
                 if t == max_new_tokens - 1 or bool(done.all()):
@@ -152,9 +139,8 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
                                use_cache=True).logits[:, -1]  # (N, V)
     finally:
         model.train(was_training)
-    completion_ids, logps = tokens[:, :t + 1], logps[:, :t + 1]  # (N, C)
+    completion_ids, logps = tokens[:, :t + 1], logps[:, :t + 1]  # (N, C); ids are pad_id after a row's stop already
     completion_mask, truncated = completion_mask_from_stops(completion_ids, stop_ids)
-    completion_ids = completion_ids.masked_fill(completion_mask == 0, pad_id)
     lengths = completion_mask.sum(1) - (~truncated).long()  # (N,) tokens before the stop token
     texts = tokenizer.batch_decode([row[:n] for row, n in zip(completion_ids.tolist(), lengths.tolist())],
                                    skip_special_tokens=True)
@@ -163,21 +149,16 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
                    completions=texts, sample_logp=logps.masked_fill(completion_mask == 0, 0.0),
                    prompt_cut=cut.repeat_interleave(G, 0).to(device))
 
-
 def concat(rollouts, rows):
     """Rollouts of different widths -> one Rollout of the rows `rows[i]` of rollout i: prompts re-padded on
     the left, completions on the right (masked, log-prob 0)."""
-    P = max(r.prompt_ids.size(1) for r in rollouts)
-    C = max(r.completion_ids.size(1) for r in rollouts)
-    pad = lambda t, w, left: F.pad(t, (w - t.size(1), 0) if left else (0, w - t.size(1)))
-    cat = lambda f: torch.cat([f(r)[i] for r, i in zip(rollouts, rows)])
-    return Rollout(prompt_ids=cat(lambda r: pad(r.prompt_ids, P, True)),
-                   prompt_mask=cat(lambda r: pad(r.prompt_mask, P, True)),
-                   completion_ids=cat(lambda r: pad(r.completion_ids, C, False)),
-                   completion_mask=cat(lambda r: pad(r.completion_mask, C, False)), truncated=cat(lambda r: r.truncated),
-                   completions=[r.completions[j] for r, i in zip(rollouts, rows) for j in i.tolist()],
-                   sample_logp=cat(lambda r: pad(r.sample_logp, C, False)), prompt_cut=cat(lambda r: r.prompt_cut))
-
+    P, C = (max(getattr(r, k).size(1) for r in rollouts) for k in ("prompt_ids", "completion_ids"))
+    pad = lambda t, w, left: F.pad(t, (w - t.size(1), 0) if left else (0, w - t.size(1))) if w else t
+    cat = lambda k, w=0, left=False: torch.cat([pad(getattr(r, k), w, left)[i] for r, i in zip(rollouts, rows)])
+    return Rollout(prompt_ids=cat("prompt_ids", P, True), prompt_mask=cat("prompt_mask", P, True),
+                   completion_ids=cat("completion_ids", C), completion_mask=cat("completion_mask", C),
+                   truncated=cat("truncated"), sample_logp=cat("sample_logp", C), prompt_cut=cat("prompt_cut"),
+                   completions=[r.completions[j] for r, i in zip(rollouts, rows) for j in i.tolist()])
 
 def micro_batches(r, size):
     """Yield (rows, input_ids, attention_mask, c) for each slice of `size` rows of a Rollout, trimmed to the
@@ -192,12 +173,11 @@ def micro_batches(r, size):
 # -----------------------------------------------------------------------------
 # teacher-forced log-probs
 
-
 def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False, ref=None):
     """Log-prob of each target under the `lm_head` module: hidden (n, H), targets (n,) -> logp (n,), entropy (n,)
-    or None, kl (n,) or None. A chunk's (chunk, V) logits are made, used and dropped, and checkpointed under
-    autograd (backward calls the head again): no (n, V) fp32 tensor exists. ref = (ref_lm_head, ref_hidden
-    (n, H)): the exact KL(pi || pi_ref) over the vocabulary too (grpo.full_kl)."""
+    or None, kl (n,) or None. Each chunk's (chunk, V) logits are made, used, dropped and checkpointed under autograd
+    (backward reruns the head): no (n, V) fp32 tensor exists. ref = (ref_lm_head, ref_hidden (n, H)): the exact
+    KL(pi || pi_ref) over the vocabulary too (grpo.full_kl)."""
     size = max(16, (64 << 20) // (4 * lm_head.weight.size(0)))  # a chunk's fp32 logits stay under 64 MiB
 
     def chunk(h, t, h_ref):
@@ -205,12 +185,11 @@ def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False,
         logz = z.logsumexp(-1)  # (n_c,)
         logp = z.gather(-1, t[:, None]).squeeze(-1) - logz
         ent = logz - (z - logz[:, None]).exp().mul(z).sum(-1) if with_entropy else None  # H = logZ - E_p[z]
-        kl = None
-        if h_ref is not None:
-            with torch.no_grad():
-                z_ref = ref[0](h_ref).float() / temperature  # (n_c, V)
-            kl = grpo.full_kl(z, z_ref)
-        return logp, ent, kl
+        if h_ref is None:
+            return logp, ent, None
+        with torch.no_grad():
+            z_ref = ref[0](h_ref).float() / temperature  # (n_c, V)
+        return logp, ent, grpo.full_kl(z, z_ref)
 
     out, grad = [], torch.is_grad_enabled() and hidden.requires_grad
     for i in range(0, hidden.size(0), size):
@@ -219,11 +198,9 @@ def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False,
     cat = lambda k: torch.cat([o[k] for o in out]) if out and out[0][k] is not None else None
     return (cat(0) if out else hidden.new_zeros(0, dtype=torch.float32)), cat(1), cat(2)
 
-
 def _check_outer(model):
-    """This pass calls model.get_decoder() and the lm_head module, not model(...): refuse what only
-    model(...) would run, rather than compute something else."""
-    name, cfg = type(model).__name__, getattr(model, "active_peft_config", None)
+    """Refuse what only model(...) would run, rather than compute something else without it."""
+    name, cfg, c = type(model).__name__, getattr(model, "active_peft_config", None), model.config
     where = "which the log-prob pass does not run (it calls model.get_decoder() and the lm_head module)"
     if (model._forward_hooks or model._forward_pre_hooks) and not hasattr(model, "unshard"):  # FSDP2's own
         raise ValueError(f"{name} has a forward hook on the whole model, {where}: register it on those")
@@ -231,22 +208,18 @@ def _check_outer(model):
         raise ValueError(f"{name} overrides forward(), {where}: make the change in the decoder or the lm_head")
     if cfg is not None and cfg.is_prompt_learning:
         raise ValueError(f"prompt / prefix tuning adds virtual tokens in {name}.forward, {where}")
-    c = model.config
     if getattr(c, "final_logit_softcapping", None) or getattr(c, "logits_scaling", 1.0) != 1.0:
         raise ValueError(f"{c.model_type}: logit softcapping/scaling is not applied by the log-prob pass")
-
 
 @contextmanager
 def _root_gathered(model):
     """FSDP2 gathers a unit in its own forward; the decoder and the lm_head run without the root's
     forward, so gather the root (embeddings, norm, head) here. With grad, FSDP frees it after backward."""
-    fsdp = hasattr(model, "unshard")
-    if fsdp:
+    if fsdp := hasattr(model, "unshard"):
         model.unshard()
     yield
     if fsdp and not torch.is_grad_enabled():
         model.reshard()
-
 
 def _shared_prompts(prompt_ids, prompt_mask):
     """Rows whose prompt (ids and mask) equals the previous row's share it -> (the first row of each
@@ -254,7 +227,6 @@ def _shared_prompts(prompt_ids, prompt_mask):
     same = ((prompt_ids[1:] == prompt_ids[:-1]) & (prompt_mask[1:] == prompt_mask[:-1])).all(1)  # (N-1,)
     new = torch.cat([same.new_ones(1), ~same])  # (N,)
     return new.nonzero().squeeze(1), new.long().cumsum(0) - 1
-
 
 def _hidden(model, ids, mask, C, share):
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (N, P+C) the positions sample() used
@@ -271,22 +243,19 @@ def _hidden(model, ids, mask, C, share):
                 use_cache=True).last_hidden_state  # (N, C, H)
     return torch.cat([h_prompt[which], h[:, :-1]], 1)  # (N, C, H): the prompt's last state predicts token 0
 
-
 def completion_hidden(model, input_ids, attention_mask, num_completion, share=True):
-    """Final hidden states (N, C, H) at the positions that predict the last C = num_completion tokens.
-    share: run each distinct prompt of the call once (see _hidden); else whole rows."""
+    """Final hidden states (N, C, H) at the positions that predict the last C = num_completion tokens."""
     _check_outer(model)
     with _root_gathered(model):
         return _hidden(model, input_ids, attention_mask, num_completion, share)
 
-
 def token_logprobs(model, input_ids, attention_mask, num_completion, temperature=1.0, with_entropy=False, ref=None,
                    share=True):
     """Teacher-forced log-probs of the last C = num_completion tokens of each row: input_ids, attention_mask
-    (N, P+C) -> logp (N, C), entropy (N, C) or None, kl (N, C) or None; 0 where attention_mask is 0 (the
-    head skips padding). The decoder runs once (prompts shared, see _hidden), the lm_head in chunks.
-    ref = (ref_lm_head, ref_hidden (N, C, H) from the reference's completion_hidden): the exact
-    full-vocabulary KL at each position too. Grad follows torch's mode."""
+    (N, P+C) -> logp (N, C), entropy (N, C) or None, kl (N, C) or None; 0 where attention_mask is 0 (the head
+    skips padding). The decoder runs once (share: each distinct prompt once, see _hidden), the lm_head in chunks.
+    ref = (ref_lm_head, ref_hidden (N, C, H) from the reference's completion_hidden): the exact full-vocabulary KL
+    at each position too. Grad follows torch's mode."""
     _check_outer(model)
     device = next(model.parameters()).device
     ids, mask, C = input_ids.to(device), attention_mask.to(device), num_completion
@@ -298,10 +267,8 @@ def token_logprobs(model, input_ids, attention_mask, num_completion, temperature
                             with_entropy, ref)  # (n,) each
     return tuple(None if v is None else v.new_zeros(real.shape).masked_scatter(real, v) for v in out)
 
-
 def _checkpointing(model):  # transformers drops the KV cache in training under gradient checkpointing
     return model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
-
 
 def sharing_problem(model, dtype=None):
     """None when running each prompt once through the model's KV cache gives what whole rows give, else the
@@ -311,8 +278,7 @@ def sharing_problem(model, dtype=None):
         return "gradient checkpointing: transformers drops the KV cache in training"
     device = next(model.parameters()).device
     ids = torch.tensor([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8]], device=device) % model.config.vocab_size
-    mask = torch.ones_like(ids)
-    was_training = model.training
+    mask, was_training = torch.ones_like(ids), model.training
     try:
         with torch.no_grad(), _autocast(model, dtype):
             model.eval()

@@ -31,7 +31,6 @@ IDENTITY = ("model", "task", "data_dir", "lora_rank", "fsdp", "seed")  # what --
 # -----------------------------------------------------------------------------
 # flags
 
-
 def _config(p, spec, keys):
     """A config file, or an inline `name=value` (a value that is no literal is a string) -> {name: value}; a
     mistake is one p.error line."""
@@ -60,7 +59,6 @@ def _config(p, spec, keys):
             p.error(f"{where}: unknown key '{name}'; keys are the flags with _ for - (e.g. group_size) and the "
                     "config-only ones listed in train.py")
     return {name: value for name, value, _ in lines}
-
 
 def parse(p, ranges, constants, argv=None):
     """Flags with config files and --resume applied, every value checked -> (args, checkpoint path or None).
@@ -104,7 +102,6 @@ KINDS = {bool: (lambda v: isinstance(v, bool), "True or False"), int: (lambda v:
          float: (lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number"),
          str: (lambda v: isinstance(v, str), "a string")}
 
-
 def _in_range(v, spec):
     """spec: '> 0', '>= 1', '(0, 1]', '[0, 1)' ..."""
     if spec[0] in "([":
@@ -112,7 +109,6 @@ def _in_range(v, spec):
         return (lo < v if spec[0] == "(" else lo <= v) and (v < hi if spec[-1] == ")" else v <= hi)
     op, bound = spec.split()
     return v > float(bound) if op == ">" else v >= float(bound)
-
 
 def check(p, args, ranges, constants=None, nullable=None):
     """Every value's type (config files bypass argparse's conversion), choices and range -> p.error."""
@@ -132,54 +128,50 @@ def check(p, args, ranges, constants=None, nullable=None):
         elif v is not None and spec and not _in_range(v, spec):
             p.error(f"{flag} must be {spec}, got {v!r}")
 
-
 # -----------------------------------------------------------------------------
 # the directory
 
 
 HELD = []  # the locks this process holds (a test running train.py in process releases them)
 
-
 def claim(out_dir, resume, overwrite):
-    """Make out_dir this run's (rank 0) -> (the held lock file, None) or (None, the one-line reason not)."""
+    """Make out_dir this run's (rank 0): its lock held in HELD -> None, or the one-line reason it is not."""
     found = sorted(set(os.listdir(out_dir)) - {".lock"}) if os.path.isdir(out_dir) else []
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        return None, f"--out-dir {out_dir} is a file: pass a directory"
+        return f"--out-dir {out_dir} is a file: pass a directory"
     is_run = "run.json" in found
     if found and not is_run and not resume:
-        return None, (f"--out-dir {out_dir} holds files that are not a run's ({', '.join(found[:3])}"
-                      f"{', ...' if len(found) > 3 else ''}): pass a new or empty directory")
+        return (f"--out-dir {out_dir} holds files that are not a run's ({', '.join(found[:3])}"
+                f"{', ...' if len(found) > 3 else ''}): pass a new or empty directory")
     if is_run and not resume and not overwrite:
-        return None, (f"--out-dir {out_dir} holds a run: pass --resume {out_dir} to continue it, --overwrite "
-                      "to replace it, or another --out-dir")
+        return (f"--out-dir {out_dir} holds a run: pass --resume {out_dir} to continue it, --overwrite "
+                "to replace it, or another --out-dir")
     hf = os.path.join(out_dir, "hf")
     if os.path.isdir(hf) and not os.path.exists(os.path.join(hf, EXPORT_MARK)):
-        return None, f"{hf} was not exported by a run: move it away or pass another --out-dir"
+        return f"{hf} was not exported by a run: move it away or pass another --out-dir"
     try:
         os.makedirs(out_dir, exist_ok=True)
         lock = open(os.path.join(out_dir, ".lock"), "a")
     except OSError as e:
-        return None, f"--out-dir {out_dir} is not writable ({e.strerror}); pass another directory"
+        return f"--out-dir {out_dir} is not writable ({e.strerror}); pass another directory"
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when this process ends, however it ends
     except OSError:
         lock.close()
-        return None, f"--out-dir {out_dir} is in use by another running train.py: wait for it or pass another --out-dir"
+        return f"--out-dir {out_dir} is in use by another running train.py: wait for it or pass another --out-dir"
     HELD.append(lock)
     if is_run and overwrite:  # only what a run writes; a user's file there stays
         for f in os.listdir(out_dir):
             path = os.path.join(out_dir, f)
             if f in OWN or f.startswith(("dcp-", ".hf.")):
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-    return lock, None
-
+    return None
 
 def write_json(path, obj):
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
     os.replace(tmp, path)
-
 
 def read_jsonl(path):
     """JSON lines -> list of dicts, skipping blank and torn lines (what a kill during a write leaves)."""
@@ -191,7 +183,6 @@ def read_jsonl(path):
             except json.JSONDecodeError:
                 continue
     return [r for r in rows if isinstance(r, dict)]
-
 
 @contextmanager
 def interruptible(out_dir, steps):
@@ -212,10 +203,8 @@ def interruptible(out_dir, steps):
         print(f"error: interrupted; {where}", file=sys.stderr)
         sys.exit(143 if str(e) == "SIGTERM" else 130)
 
-
 # -----------------------------------------------------------------------------
 # checkpoints
-
 
 def save(state, path):
     """torch.save to path via path.tmp and a rename -> None, or a one-line reason it could not (temp removed)."""
@@ -231,7 +220,6 @@ def save(state, path):
             raise
         return (f"could not write {path} ({e.strerror or e}); make room in {os.path.dirname(os.path.abspath(path))}"
                 "; the last good checkpoint there is kept")
-
 
 def save_run(out_dir, step, config, policy, optimizer, scheduler, scaler, ref=None, rank=0, world=1):
     """The run's state after `step`, every rank's RNG and `ref` (when given) included -> None, or why it could
@@ -251,7 +239,6 @@ def save_run(out_dir, step, config, policy, optimizer, scheduler, scaler, ref=No
         scale.remove_old_dcp(out_dir, keep=state["dcp"])
     return failed
 
-
 def restore(path, policy, optimizer, scheduler, scaler, ref=None, rank=0):
     """Load what save_run wrote into the run's objects and this rank's RNG -> the step to continue from."""
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
@@ -269,10 +256,8 @@ def restore(path, policy, optimizer, scheduler, scaler, ref=None, rank=0):
     torch.set_rng_state(rng["torch"]), random.setstate(rng["python"]), np.random.set_state(rng["numpy"])
     return ckpt["step"]
 
-
 # -----------------------------------------------------------------------------
 # the metrics log and the export
-
 
 class MetricsLog:
     """OUT_DIR/metrics.jsonl, one JSON line a step or eval (a non-finite value as null), + a tracker. On
@@ -307,7 +292,6 @@ class MetricsLog:
     def close(self):
         self.file.close()
         self.tracker[1]() if self.tracker is not None else None
-
 
 def export_hf(model, tokenizer, path, dtype, adapter=False, state_dict=None):
     """Write `model` as a folder AutoModelForCausalLM.from_pretrained loads -> None, or a one-line reason it

@@ -20,7 +20,6 @@ import torch.distributed as dist
 # -----------------------------------------------------------------------------
 # LoRA through peft: the adapters train, the base is frozen; the base with its adapters off is the reference
 
-
 def add_lora(model, rank, seed=0):
     """`model` with LoRA adapters of rank `rank` (alpha = 2 * rank, no dropout) on every linear of attention
     and MLP. Adapter B starts at 0, so the model computes what the base computes until the first update.
@@ -37,10 +36,8 @@ def add_lora(model, rank, seed=0):
         torch.default_generator.manual_seed(seed)
         return get_peft_model(model, cfg)
 
-
 def is_lora(model):
     return hasattr(model, "peft_config")
-
 
 def trainable_state(model):
     """What a checkpoint keeps: a LoRA model's adapter weights (peft's keys), else the whole state."""
@@ -48,7 +45,6 @@ def trainable_state(model):
         return model.state_dict()
     from peft import get_peft_model_state_dict
     return get_peft_model_state_dict(model)
-
 
 def load_trainable_state(model, state):
     """Inverse of trainable_state; every adapter weight must be in `state`."""
@@ -62,7 +58,6 @@ def load_trainable_state(model, state):
 # -----------------------------------------------------------------------------
 # several processes
 
-
 def average_gradients(params, world):
     """Mean of each gradient over the ranks: one all-reduce per parameter, issued together."""
     for h in [dist.all_reduce(q.grad, async_op=True) for q in params if q.grad is not None]:
@@ -71,19 +66,16 @@ def average_gradients(params, world):
         if q.grad is not None:
             q.grad.div_(world)
 
-
 def all_reduce(x, op="mean"):
     """Mean / max / min over ranks of a float tensor."""
     dist.all_reduce(x, {"mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
     return x / dist.get_world_size() if op == "mean" else x
-
 
 def all_gather(x):
     """Every rank's x (n, ...) -> (world * n, ...), in rank order."""
     everyone = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, x)
     return torch.cat(everyone)
-
 
 def shard(model, device, dtype):
     """Shard `model` in place over all ranks (FSDP2): parameters gathered in `dtype` for compute, fp32
@@ -101,7 +93,6 @@ def shard(model, device, dtype):
         model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device))
     model.reshard()
     return model
-
 
 @contextmanager
 def gathered(model):
@@ -124,7 +115,6 @@ def gathered(model):
             m.reshard()
         model.reshard()
 
-
 def full_state_dict(model):
     """The whole state dict, gathered to rank 0's CPU for a sharded model (every rank must call; others
     get {}); a plain model's own state dict otherwise."""
@@ -136,7 +126,6 @@ def full_state_dict(model):
 # -----------------------------------------------------------------------------
 # checkpoints: a LoRA run keeps its adapters; a sharded run its DCP shards, each rank its own
 
-
 def save_state(state, policy, optimizer, out_dir, step):
     """Add this policy's part to a checkpoint's `state` (run.save_run) -> None or a one-line reason it failed.
     FSDP2: every rank writes its shards of model and optimizer into out_dir/dcp-<step>, which state names."""
@@ -145,14 +134,11 @@ def save_state(state, policy, optimizer, out_dir, step):
     state["dcp"], failed = save_dcp(policy, optimizer, out_dir, step)
     return failed
 
-
 def load_state(ckpt, run_dir, policy, optimizer):
     if "dcp" in ckpt:
         return load_dcp(os.path.join(run_dir, ckpt["dcp"]), policy, optimizer)
     load_trainable_state(policy, ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
-
-
 
 def save_dcp(model, optimizer, out_dir, step):
     """Model and optimizer shards into out_dir/dcp-<step> (every rank calls) -> (name, None) or (None, a
@@ -177,12 +163,10 @@ def save_dcp(model, optimizer, out_dir, step):
     dist.barrier()
     return (None, error + "; the last good checkpoint is kept") if error else (name, None)
 
-
 def remove_old_dcp(out_dir, keep):
     for f in os.listdir(out_dir):
         if f.startswith("dcp-") and f != keep:
             shutil.rmtree(os.path.join(out_dir, f), ignore_errors=True)
-
 
 def load_dcp(path, model, optimizer=None):
     """Model (and optimizer) state from a DCP directory: a sharded model reads its shards; without a process
@@ -202,7 +186,6 @@ def load_dcp(path, model, optimizer=None):
 
 # -----------------------------------------------------------------------------
 # --log-to: the metrics also to TensorBoard or Weights & Biases (WANDB_MODE=offline keeps them on this machine)
-
 
 def tracker(name, out_dir, config, resume_step=0):
     """-> (log(scalars, step=), close())."""

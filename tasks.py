@@ -1,6 +1,5 @@
-"""Tasks: where examples come from, how they are put to the model, how answers are scored; `TASKS` maps a name to a
-`Task`. To add one: a `load`, a system prompt, reward fns from rewards.py, a line in `TASKS`. `evaluate` scores a
-model on a task (train.py's evals, eval.py).
+"""Tasks: where examples come from, how they are put to the model, how answers are scored (`evaluate`: a model's
+accuracy on a task); `TASKS` maps a name to a `Task`. To add one: a `load`, a system prompt, reward fns, a `TASKS` line.
 - gsm8k: grade-school math (Cobbe et al. 2021, github.com/openai/grade-school-math).
 - arith: generated "What is 7 + 5?": SmolLM2-135M-Instruct often knows the sum but rarely writes the strict
   `#### N` line, so a 135M model shows learning on a CPU in minutes (README: results).
@@ -22,10 +21,9 @@ from typing import Callable, NamedTuple
 import torch
 from tqdm import tqdm
 
-from models import stop_token_ids
 from rewards import (answers_match, correctness_reward, extract_answer, extract_flexible, extract_gold,
                      format_reward, has_final_answer)
-from rollout import sample
+from rollout import sample, stop_token_ids
 
 # prompts: the one place to edit what the model is told. short: a 135M model reads it.
 
@@ -37,14 +35,11 @@ ARITH_SYSTEM_PROMPT = ("Answer the question. End with a final line: #### <number
 ARITH_STEPS_SYSTEM_PROMPT = ("Work it out one calculation a line, as: a op b = c. End with a final line: "
                              "#### <number>\nExample:\nWhat is 2 + 3 * 4?\n3 * 4 = 12\n2 + 12 = 14\n#### 14")
 
-
 def chat_prompt(system, example):
     return [{"role": "system", "content": system}, {"role": "user", "content": example["question"]}]
 
-
 class DataError(ValueError):
     """A user-facing data problem; train.py/eval.py print its one-line message and exit."""
-
 
 class Task(NamedTuple):
     load: Callable            # load(split, data_dir=None) -> list[dict] with "question", "answer"
@@ -54,7 +49,6 @@ class Task(NamedTuple):
     score: Callable           # score(completion, example) -> dict for eval.py
     step_rewards: Callable | None = None  # (completion, example) -> [(char_end, reward), ...]: see step_positions
 
-
 def _check(split, ops="+", n=None):  # the loaders' checks -> n, by default 200 test / 10,000 train problems
     if split not in ("train", "test"):
         raise ValueError(f"unknown split {split!r}; valid splits: ['train', 'test']")
@@ -62,11 +56,12 @@ def _check(split, ops="+", n=None):  # the loaders' checks -> n, by default 200 
         raise ValueError(f"unknown arith operator(s) {sorted(set(ops) - set('+-*'))}; use a string of +-*, e.g. '+-'")
     return n if n is not None else (200 if split == "test" else 10_000)
 
+
+# gsm8k: from a local copy, or downloaded once and checked by sha256
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
 GSM8K_SHA256 = {"train": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
                 "test": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14"}
 GSM8K_HINT = "pass --data-dir DIR or set GSM8K_DIR=DIR to a directory holding train.jsonl and test.jsonl"
-
 
 def load_gsm8k(split, data_dir=None):
     """GSM8K examples {"question", "answer" (gold number), "solution"} from data_dir, else $GSM8K_DIR (read as
@@ -104,34 +99,28 @@ def load_gsm8k(split, data_dir=None):
         except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError too
             why = (f"not valid JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else
                    str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
-            raise DataError(f"{path}:{lineno}: {why}; expected a JSON object with 'question' and 'answer' ending in "
-                            "'#### <number>'") from None
+            raise DataError(f"{path}:{lineno}: {why}; expected an object with 'question' and 'answer'") from None
     if not examples:
         raise DataError(f"no examples in {path}; {GSM8K_HINT}")
     return examples
 
-# -----------------------------------------------------------------------------
-# arith and arith_steps: generated, split by a hash of the problem; arith_steps' reward per step
 
+# arith and arith_steps: generated, split by a hash of the problem; arith_steps' reward per step (step_positions)
 ARITH_DIGITS, ARITH_OPS = 1, "+-*"  # default difficulty: within reach of a 135M model, whose gain is mostly format
 ARITH_TEST_PERCENT = 80  # test-only share: the default 255 problems hold >= 200 held-out, train ~51: must generalise
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
-
-def _is_test(*problem):  # a fixed split by a hash of the problem, e.g. (7, "+", 5): whatever n or seed
+def _is_test(*problem):  # split by a hash of the problem, e.g. (7, "+", 5): whatever n or seed, test never in train
     h = hashlib.sha256("".join(map(str, problem)).encode()).digest()
     return int.from_bytes(h[:4], "little") % 100 < ARITH_TEST_PERCENT
-
 
 def _sample_split(space, split, n, rng):  # n distinct problems of `split` from an enumerated space, in rng's order
     pool = [p for p in space if _is_test(*p) == (split == "test")]
     return rng.sample(pool, min(n, len(pool)))
 
-
 def load_arith(split, data_dir=None, n=None, digits=ARITH_DIGITS, ops=ARITH_OPS, seed=0):
-    """n distinct problems {"question": "What is 7 + 5?", "answer": "12"}: operands of up to `digits` digits,
-    operators from `ops`, for "-" a >= b (answers never negative); n is capped at the split's size (the train
-    loop cycles). `seed` picks which problems and their order, never the split. data_dir is ignored."""
+    """n distinct problems {"question": "What is 7 + 5?", "answer": "12"}: operands of up to `digits` digits, operators
+    from `ops`, for "-" a >= b; n is capped at the split's size; `seed` picks the problems, never the split."""
     n = _check(split, ops, n)
     if digits < 1:
         raise ValueError(f"digits must be >= 1, got {digits}")
@@ -150,10 +139,8 @@ def load_arith(split, data_dir=None, n=None, digits=ARITH_DIGITS, ops=ARITH_OPS,
                 break
     return [{"question": f"What is {a} {op} {b}?", "answer": str(OPS[op](a, b))} for a, op, b in problems]
 
-
 def _evaluate(a, op1, b, op2, c):  # a op1 b op2 c with the usual precedence: `*` first, then left to right
     return OPS[op1](a, b * c) if op2 == "*" and op1 != "*" else OPS[op2](OPS[op1](a, b), c)
-
 
 def load_arith_steps(split, data_dir=None, n=None, ops=ARITH_OPS, seed=0):
     """n distinct problems {"question": "What is 3 + 4 * 2 - 5?", "answer": "6"}: three one-digit operands, two
@@ -169,11 +156,10 @@ STEP_RE = re.compile(rf"{NUM}([-+*x×]){NUM}={NUM}")  # a op b = c
 FINAL_RE = re.compile(r"\s*#### (-?\d+)")  # #### N, one space as strict-match reads it
 STEP_OPS = {**OPS, "x": OPS["*"], "×": OPS["*"]}
 
-
 def arith_step_rewards(completion, example):
-    """One (char_end, reward) per non-empty line, char_end the exclusive end of its text (trailing spaces and `\\r`
-    left out): `a op b = c` 1.0 if the arithmetic is right (on its own: the outcome reward ties steps to the
-    question), `#### N` 1.0 if N is the gold answer, any other line (`####N` too) 0.0. No such line: one step at the end.
+    """(char_end, reward) per non-empty line, char_end the end of its text (trailing spaces, `\\r` left out):
+    `a op b = c` 1.0 if the arithmetic is right (on its own: the outcome reward ties steps to the question),
+    `#### N` 1.0 if N is the gold answer, any other line (`####N` too) 0.0. No such line: one step at the end.
     >>> arith_step_rewards("4 * 2 = 8\\n3 + 8 = 12\\n#### 11", {"answer": "11"})  # 3 + 4 * 2
     [(9, 1.0), (20, 0.0), (28, 1.0)]
     """
@@ -189,14 +175,12 @@ def arith_step_rewards(completion, example):
         steps.append((m.end(), reward))
     return steps or [(len(completion), 0.0)]
 
-
 def step_positions(step_rewards, tokenizer, completion_ids, lengths, completions, examples, group_size):
-    """Steps as tensors for grpo.process_advantages: row i's steps are step_rewards(completions[i],
-    examples[i // group_size]), each ending on the token that holds its last character among the lengths[i]
-    tokens of completion_ids (N, C) before the stop token -> ends (N, S) long, values (N, S), mask (N, S) bool
-    (False: a padding step; S the most steps of a row). That token is the first whose decoded prefix holds the
-    text up to char_end: exact whatever a tokenizer does to bytes and spaces (a character split over byte
-    tokens decodes as U+FFFD until its last byte, so a prefix is compared with the text, not only measured)."""
+    """Steps as tensors for grpo.process_advantages: row i's steps are step_rewards(completions[i], examples[i //
+    group_size]), each ending on the token that holds its last character among the lengths[i] tokens of completion_ids
+    (N, C) before the stop token -> ends (N, S) long, values (N, S), mask (N, S) bool (False: padding; S: the most steps
+    of a row). That token is the first whose decoded prefix holds the text up to char_end: exact whatever a tokenizer
+    does to bytes and spaces (a character split over byte tokens decodes as U+FFFD until its last byte)."""
     steps = [step_rewards(text, examples[i // group_size]) for i, text in enumerate(completions)]
     N, S = len(steps), max(len(s) for s in steps)
     ends, values, mask = torch.zeros(N, S, dtype=torch.long), torch.zeros(N, S), torch.zeros(N, S, dtype=torch.bool)
@@ -204,18 +188,13 @@ def step_positions(step_rewards, tokenizer, completion_ids, lengths, completions
     for i, row in enumerate(steps):
         ids = completion_ids[i, :int(lengths[i])].tolist()
         text = decode(ids)
-        for j, (end, value) in enumerate(row):  # the fewest tokens that decode to text[:end]; all of them always do
-            ends[i, j] = bisect_left(range(1, len(ids)), True,  # binary search: (index k: k + 1 tokens)
-                                     key=lambda k: decode(ids[:k])[:end] == text[:end])
+        for j, (end, value) in enumerate(row):  # the last token of the shortest prefix holding text[:end]
+            ends[i, j] = bisect_left(range(1, len(ids)), True, key=lambda k: decode(ids[:k])[:end] == text[:end])
             values[i, j], mask[i, j] = value, True
     return ends, values, mask
 
-# -----------------------------------------------------------------------------
-# scoring and evaluation, shared by all tasks
-
-def score(completion, example):
-    """What eval.py reports: strict = the final-answer line (`#### N` or `\\boxed{}`) is right, flexible = the
-    last number in the text is right (lm-eval's flexible-extract)."""
+def score(completion, example):  # shared by all tasks
+    """strict: the final-answer line (`#### N` or `\\boxed{}`) is right; flexible: the last number is (lm-eval's)."""
     pred = extract_answer(completion)
     return {"pred": pred, "strict": answers_match(pred, example["answer"]),
             "flexible": answers_match(extract_flexible(completion), example["answer"]),
@@ -231,12 +210,10 @@ TASKS = {  # each task its own dicts: editing one task's weights leaves the othe
                         score, arith_step_rewards),
 }
 
-
 def pass_at_k(n, c, k):
     """Unbiased pass@k of one problem with c of n samples correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021,
     arXiv 2107.03374, eq. 1), as the product 1 - prod_{i=n-c+1}^{n} (1 - k/i): no huge binomials."""
     return 1.0 if n - c < k else 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
 
 @torch.no_grad()
 def evaluate(model, tokenizer, task, examples, max_new_tokens=256, batch_size=32, n=1, temperature=1.0,

