@@ -151,6 +151,8 @@ def compile_bench(rounds=6, widths=(16, 32, 48), steps=80):
         model.zero_grad(set_to_none=True)
         return time.perf_counter() - t, counters["stats"]["unique_graphs"] - g0, logp.detach()
 
+    cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
+    print(f"{cpu} | {dev} {args.dtype} autocast | {torch.get_num_threads()} threads | torch {torch.__version__}")
     model.train()
     eager = decoder.forward
     step(eager, *batch(16), 16)  # warm-up (oneDNN primitives), not timed
@@ -159,16 +161,14 @@ def compile_bench(rounds=6, widths=(16, 32, 48), steps=80):
         for w in widths:
             ids, mask = batch(w)
             te, _, le = step(eager, ids, mask, w)
-            tc, ng, lc = step(compiled, ids, mask, w)
+            print(f"round {r} width {w} P {ids.size(1) - w}: eager {te:.2f}s", end=" ", flush=True)
+            tc, ng, lc = step(compiled, ids, mask, w)  # a kill here still leaves the eager times printed
             rows.append((r, w, ids.size(1) - w, te, tc, ng, (le - lc).abs().max().item()))
-            print(f"round {r} width {w} P {rows[-1][2]}: eager {te:.2f}s compiled {tc:.2f}s new graphs {ng} "
-                  f"max|dlogp| {rows[-1][6]:.3g}", flush=True)
+            print(f"compiled {tc:.2f}s new graphs {ng} max|dlogp| {rows[-1][6]:.3g}", flush=True)
     med = lambda xs: statistics.median(xs) if xs else float("nan")
     te, tc = med([x[3] for x in rows]), med([x[4] for x in rows if not x[5]])  # compiled: steps that did not compile
     comp_s = sum(x[4] - med([y[4] for y in rows if y[1] == x[1] and not y[5]]) for x in rows if x[5])
-    cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
-    print(f"\n{cpu}, {dev} {args.dtype} autocast | {torch.get_num_threads()} threads | torch {torch.__version__} | "
-          f"graph breaks {sum(counters['graph_break'].values())} | recompiles (steps with new graphs) "
+    print(f"\ngraph breaks {sum(counters['graph_break'].values())} | recompiles (steps with new graphs) "
           f"{sum(1 for x in rows if x[5])} | unique graphs {counters['stats']['unique_graphs']}\n")
     print("| width | eager s (median) | compiled s (median, no compile) | compile s (first steps - median) |")
     print("|---|---:|---:|---:|")

@@ -105,7 +105,7 @@ def parse_weights(spec, reward_fns):
         except ValueError:
             weights[name] = math.nan
         if name not in reward_fns or not math.isfinite(weights[name]):
-            raise ValueError(f"'{item}' is not name=number with name in {sorted(reward_fns)}")
+            raise ValueError(f"--reward-weights: '{item}' is not name=number with name in {sorted(reward_fns)}")
     return weights
 
 class RewardError(ValueError):

@@ -45,7 +45,7 @@ def _config(p, spec, keys):
             with open(spec, encoding="utf-8") as f:
                 tree = ast.parse(f.read(), spec)
         except (OSError, SyntaxError, UnicodeDecodeError, ValueError) as e:
-            p.error(f"cannot read config {spec} ({type(e).__name__}); pass a file of `name = value` lines or name=value")
+            p.error(f"cannot read config {spec} ({type(e).__name__}); pass a file of `name = value` lines")
         lines = []
         for node in tree.body:
             if not (isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name)):
@@ -74,8 +74,8 @@ def parse(p, ranges, constants, argv=None):
             ckpt = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
             saved, done = ckpt["config"], ckpt["step"]
         except Exception as e:  # missing, truncated or foreign
-            p.error(f"--resume {resume}: no readable checkpoint at {ckpt_path} ({type(e).__name__}); pass a run's --out-dir")
-        values.update({k: v for k, v in saved.items() if k in flags | set(constants) and k not in ("resume", "overwrite")})
+            p.error(f"--resume {resume}: no readable checkpoint at {ckpt_path} ({type(e).__name__}); pass a run dir")
+        values.update({k: v for k, v in saved.items() if k in (flags | set(constants)) - {"resume", "overwrite"}})
         values["out_dir"] = os.path.dirname(os.path.abspath(ckpt_path))
     for c in configs:  # a base config, then an ablation that changes two lines of it
         values.update(c)
@@ -287,7 +287,7 @@ class MetricsLog:
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         if self.tracker is not None:
-            self.tracker[0]({k: v for k, v in row.items() if k != "step" and isinstance(v, (int, float))}, step=row["step"])
+            self.tracker[0]({k: v for k, v in row.items() if k != "step" and v is not None}, step=row["step"])
 
     def close(self):
         self.file.close()

@@ -1,12 +1,10 @@
 """
 GRPO (DeepSeekMath, arXiv 2402.03300 §4) on a Hugging Face causal LM, top to bottom. A step: prompts -> G completions
 each -> rewards -> group advantages -> reference log-probs -> mu optimizer steps over micro-batches. The README lists
-where the defaults depart from the paper.
-    python train.py --config configs/arith_smollm2_cpu.py  # a config file, then flags override it
-    torchrun --nproc_per_node=2 train.py --config ...      # several GPUs (or CPU processes, gloo)
+where the defaults depart from the paper. `torchrun --nproc_per_node=N train.py ...` runs over N processes.
 """
 
-import argparse, hashlib, importlib.util, json, math, os, sys, time  # noqa: E401
+import argparse, hashlib, importlib.util, math, os, sys, time  # noqa: E401
 from contextlib import nullcontext
 
 import torch
@@ -89,7 +87,8 @@ N = local_prompts * G  # completions per rank per step
 for bad, why in [  # one line each, before anything loads
         (args.prompts_per_step % world, f"--prompts-per-step must be a multiple of the {world} processes"),
         (N % args.micro_batch, f"--micro-batch {args.micro_batch} must divide the {N} completions per rank per step"),
-        (args.overlong_buffer > args.max_new_tokens, "--overlong-buffer must be <= --max-new-tokens"),
+        (args.overlong_buffer > args.max_new_tokens,
+         f"--overlong-buffer {args.overlong_buffer} must be <= --max-new-tokens {args.max_new_tokens}"),
         (args.supervision == "process" and not task.step_rewards,
          f"--supervision process needs per-step rewards; task {args.task} has none"),
         (args.fsdp and not ddp, "--fsdp shards over torchrun's processes: torchrun --nproc_per_node N train.py --fsdp"),
@@ -146,10 +145,12 @@ try:
 except (ModelError, DataError) as e:
     p.error(str(e))
 ref_off = policy.disable_adapter if args.lora_rank else nullcontext  # runs the LoRA policy as the reference
-max_prompt = (getattr(policy.config, "max_position_embeddings", None) or 10**9) - args.max_new_tokens
-if max_prompt < 1 or len(train_set) < args.prompts_per_step:  # a longer prompt keeps its last max_prompt tokens
-    p.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's context" if
-            max_prompt < 1 else f"the train split has fewer examples than --prompts-per-step {args.prompts_per_step}")
+context = getattr(policy.config, "max_position_embeddings", None) or 10**9
+max_prompt = context - args.max_new_tokens  # a longer prompt keeps its last max_prompt tokens
+if max_prompt < 1:
+    p.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's {context} tokens")
+if len(train_set) < args.prompts_per_step:
+    p.error(f"the train split has {len(train_set)} examples, fewer than --prompts-per-step {args.prompts_per_step}")
 stops = rollout.stop_token_ids(tokenizer, policy)
 if args.gradient_checkpointing:
     policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -160,7 +161,6 @@ try:  # the log-prob passes run each group's prompt once, through the KV cache, 
 except ValueError as e:  # an edit the log-prob pass would not run: a hook on the whole model, ...
     p.error(str(e))
 share = not why
-print(f"prompt sharing off: {why}; the log-prob passes run whole rows") if why and master else None
 params = [q for q in policy.parameters() if q.requires_grad]
 optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay,
                               fused=device.type in ("cpu", "cuda"))  # one kernel for all tensors
@@ -170,8 +170,8 @@ scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: min(1, (u + 1
 scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 needs loss scaling
 saved_ref = ref if args.ref_sync_every else None  # the reference moves: checkpoints keep it
 start_step = run.restore(ckpt_path, policy, optimizer, scheduler, scaler, saved_ref, rank) if ckpt_path else 0
-if master:  # the resolved flags: the marker that out_dir holds a run, and what --resume starts from
-    print(json.dumps({**vars(args), "eps_high": obj.eps_high, "prompt_sharing": share}, indent=1))
+if master:  # run.json, the resolved flags: the marker that out_dir holds a run (--resume reads ckpt.pt's)
+    print(f"prompt sharing off: {why}; the log-prob passes run whole rows" if why else "prompt sharing: on")
     run.write_json(os.path.join(args.out_dir, "run.json"), {**vars(args), "eps_high": obj.eps_high})
 
 # -----------------------------------------------------------------------------

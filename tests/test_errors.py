@@ -1,12 +1,12 @@
-"""Every user-facing failure path of train.py and eval.py, run through the real entry point.
+"""Every user-facing failure path of train.py, eval.py and plot.py, run through the real entry point.
 
 A usage mistake ends in argparse's one-line `error:` and exit code 2, before the model loads where the
 mistake is in the flags alone; a run that fails on the way (a reward fn that raises, a full disk) ends
 in one `error:` line and exit code 1; an interrupted run (Ctrl-C, SIGTERM) in one line that says how to
-resume, exit code 130 (143 for SIGTERM). Never a traceback. A run owns its --out-dir (run.json marks it)
-and nothing else: no failure or --overwrite touches a file a run did not write. Most cases run in this
-process (tests/toy.py's run_script: SystemExit); a few run in a fresh interpreter to see the real exit
-code and stderr.
+resume, exit code 130 (143 for SIGTERM). Never a traceback, and no temp file left behind. A run owns its
+--out-dir (run.json marks it) and nothing else: no failure or --overwrite touches a file a run did not
+write. eval.py writes its predictions whole or not at all. Most cases run in this process (tests/toy.py's
+run_script: SystemExit); a few run in a fresh interpreter to see the real exit code and stderr.
 """
 
 import errno
@@ -29,17 +29,23 @@ from toy import EVAL, REPO, TOY_TRAIN, TRAIN, read_metrics, run_script, subproce
 
 import grpo  # noqa: E402
 import models  # noqa: E402
+import rollout  # noqa: E402
 import tasks  # noqa: E402
+
+PLOT = os.path.join(REPO, "plot.py")
 
 
 def script_error(path, argv, capsys):
-    """Run train.py / eval.py expecting a user error -> (exit code, the one message line).
+    """Run train.py / eval.py / plot.py expecting a user error or an interruption -> (exit code, last stderr line).
 
     p.error prints usage and `prog: error: ...` to stderr and exits 2; sys.exit("error: ...") hands Python
-    the message, which it prints to stderr before exiting 1."""
+    the message, which it prints to stderr before exiting 1; Ctrl-C prints its line and exits 130."""
     capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        run_script(path, argv)
+    try:
+        with pytest.raises(SystemExit) as e:
+            run_script(path, argv)
+    except KeyboardInterrupt:  # uncaught, it would end the whole pytest session
+        pytest.fail("KeyboardInterrupt escaped the script (a traceback for the user), not a one-line exit")
     err = capsys.readouterr().err
     assert "Traceback" not in err
     code = e.value.code
@@ -370,7 +376,6 @@ def test_log_to_wandb_without_wandb_names_the_install(model_dir, tmp_path, capsy
 @pytest.mark.parametrize("where", ["missing", "empty", "lock-only"])
 def test_a_new_run_into_a_missing_or_empty_dir_writes_run_json_first(model_dir, tmp_path, monkeypatch, where):
     """lock-only: what a run killed before it wrote run.json leaves (the lock is a run's own file)."""
-    import rollout
     out = tmp_path / "new" / "run" if where == "missing" else tmp_path
     if where == "lock-only":
         (tmp_path / ".lock").write_text("")
@@ -529,21 +534,8 @@ def test_resume_drops_a_torn_last_line_and_blank_lines_of_the_metrics(model_dir,
 # interruptions: Ctrl-C, SIGTERM, a kill mid-save, a failed export
 
 
-def interrupted(argv, capsys):
-    """Run train.py expecting an interruption -> (exit code, stderr). KeyboardInterrupt must not escape."""
-    capsys.readouterr()
-    try:
-        with pytest.raises(SystemExit) as e:
-            run_script(TRAIN, argv)
-    except KeyboardInterrupt:
-        pytest.fail("KeyboardInterrupt escaped train.py (a traceback for the user)")
-    return e.value.code, capsys.readouterr().err
-
-
-def assert_interrupted(code, err, out, want=(130,)):
-    assert code in want, (code, err[-2000:])
-    assert "Traceback" not in err, err[-2000:]
-    line = err.strip().splitlines()[-1]
+def assert_interrupted(code, line, out, want=(130,)):
+    assert code in want, (code, line)
     assert f"--resume {out}" in line, line  # where the checkpoint is, and how to go on
     assert leftovers(out) == []
 
@@ -562,9 +554,9 @@ def raise_on_call(real, n, error):
 def test_ctrl_c_mid_step_ends_in_one_line_and_the_run_resumes(model_dir, tmp_path, capsys, monkeypatch):
     out = str(tmp_path)
     monkeypatch.setattr(grpo, "grpo_loss", raise_on_call(grpo.grpo_loss, 5, KeyboardInterrupt()))
-    code, err = interrupted(train_args(model_dir, out, "--config", "save_every=1", steps=4), capsys)
+    code, line = script_error(TRAIN, train_args(model_dir, out, "--config", "save_every=1", steps=4), capsys)
     monkeypatch.undo()
-    assert_interrupted(code, err, out)
+    assert_interrupted(code, line, out)
     step = ckpt_step(out)  # loadable, and the step before the one interrupted
     assert 1 <= step < 4 and [r["step"] for r in read_metrics(out)] == list(range(1, step + 1))
     run_script(TRAIN, ["--resume", out])
@@ -576,9 +568,9 @@ def test_ctrl_c_mid_save_keeps_the_last_good_checkpoint(model_dir, tmp_path, cap
     out = str(tmp_path)
     save = toy.save_that_fails(KeyboardInterrupt(), 1 / 2)  # step 2's checkpoint half written
     monkeypatch.setattr(torch, "save", save)
-    code, err = interrupted(train_args(model_dir, out, "--config", "save_every=1", steps=3), capsys)
+    code, line = script_error(TRAIN, train_args(model_dir, out, "--config", "save_every=1", steps=3), capsys)
     monkeypatch.undo()
-    assert_interrupted(code, err, out)
+    assert_interrupted(code, line, out)
     assert ckpt_step(out) == 1
     run_script(TRAIN, ["--resume", out])
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
@@ -598,9 +590,8 @@ def tokenizer_that_cannot_save(monkeypatch, error):
 def test_ctrl_c_mid_export_leaves_no_temp_folder(model_dir, tmp_path, capsys, monkeypatch):
     out = str(tmp_path)
     tokenizer_that_cannot_save(monkeypatch, KeyboardInterrupt())
-    code, err = interrupted(train_args(model_dir, out, steps=2), capsys)
-    assert code == 130, (code, err[-2000:])
-    assert "Traceback" not in err and leftovers(out) == []
+    code, line = script_error(TRAIN, train_args(model_dir, out, steps=2), capsys)
+    assert code == 130 and leftovers(out) == [], (code, line)
     assert not os.path.exists(os.path.join(out, "hf"))  # no half export where a whole one belongs
     assert ckpt_step(out) == 2
 
@@ -634,7 +625,9 @@ def test_a_signal_mid_run_ends_in_one_line_and_the_run_resumes(model_dir, tmp_pa
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    assert_interrupted(proc.returncode, open(tmp_path / "stderr").read(), out, codes)
+    err = open(tmp_path / "stderr").read()
+    assert "Traceback" not in err, err[-2000:]
+    assert_interrupted(proc.returncode, err.strip().splitlines()[-1], out, codes)
     step = ckpt_step(out)
     run_script(TRAIN, ["--resume", out, "--steps", step + 1])
     assert [r["step"] for r in read_metrics(out)] == list(range(1, step + 2))
@@ -668,7 +661,6 @@ def test_disk_full_keeps_the_last_good_checkpoint_and_ends_in_one_line(model_dir
 def test_long_prompts_keep_their_last_tokens_and_are_counted(model_dir, tmp_path, monkeypatch):
     """A model with a context of 16 and --max-new-tokens 12: each prompt keeps its last 16 - 12 = 4 tokens."""
     import inspect
-    import rollout
     from transformers import AutoModelForCausalLM
     short = str(tmp_path / "short")
     shutil.copytree(model_dir, short)
@@ -696,7 +688,7 @@ def test_prompts_within_the_limit_are_not_cut(model_dir, tmp_path):
     assert read_metrics(str(tmp_path))[0]["prompt_cut"] == 0.0
 
 # -----------------------------------------------------------------------------
-# eval.py
+# eval.py: no predictions file, whole or partial, unless the evaluation finished and was written whole
 
 
 def eval_args(model_dir, *extra):
@@ -713,6 +705,7 @@ def test_eval_out_into_a_new_folder_is_created_before_evaluating(model_dir, tmp_
 
 
 @pytest.mark.parametrize("extra, message", [
+    (["--out", "{tmp}"], "--out {tmp} is a directory; pass a file path such as {tmp}/predictions.jsonl"),
     (["--out", "{tmp}/afile/preds.jsonl"], "--out {tmp}/afile/preds.jsonl cannot be written"),
     (["--max-new-tokens", 0], "--max-new-tokens must be >= 1, got 0"),
     (["--n", 0], "--n must be >= 1, got 0"),
@@ -720,7 +713,8 @@ def test_eval_out_into_a_new_folder_is_created_before_evaluating(model_dir, tmp_
     (["--batch-size", 0], "--batch-size must be >= 1, got 0"),
     (["--temperature", -1], "--temperature must be > 0, got -1.0"),
     (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
-], ids=["out-under-a-file", "max-new-tokens", "n", "limit", "batch-size", "temperature", "temperature-nan"])
+], ids=["out-is-a-dir", "out-under-a-file", "max-new-tokens", "n", "limit", "batch-size", "temperature",
+        "temperature-nan"])
 def test_eval_bad_input_is_one_line_before_evaluating(model_dir, tmp_path, capsys, no_model_load, extra, message):
     # no_model_load rather than a patched eval.evaluate: runpy runs a fresh copy of eval.py's functions,
     # and a model that never loads is earlier still than an evaluation that never starts
@@ -729,6 +723,150 @@ def test_eval_bad_input_is_one_line_before_evaluating(model_dir, tmp_path, capsy
     argv = without(eval_args(model_dir), *extra[::2]) + extra
     code, line = script_error(EVAL, argv, capsys)
     assert_one_line(code, line, 2, "eval.py: error: " + message.replace("{tmp}", str(tmp_path)))
+    assert list(files(tmp_path)) == ["afile"]  # not even the probe of --out
+
+
+def fail_in_sample(error):
+    def patch(monkeypatch):  # the evaluation's first batch raises `error` (tasks.evaluate calls its own `sample`)
+        def raise_(*a, **k):
+            raise error
+        monkeypatch.setattr(tasks, "sample", raise_)
+    return patch
+
+
+def fail_while_writing(error):
+    def patch(monkeypatch):  # the first prediction line reaches the temp file, then `error`
+        real = json.dumps
+
+        def dumps(obj, *a, **k):
+            if isinstance(obj, dict) and "question" in obj and dumps.lines:
+                raise error
+            dumps.lines += isinstance(obj, dict) and "question" in obj
+            return real(obj, *a, **k)
+        dumps.lines = 0
+        monkeypatch.setattr(json, "dumps", dumps)
+    return patch
+
+
+def fail_at_rename(monkeypatch):  # the temp file is whole; renaming it into place fails (a full disk)
+    real = os.replace
+
+    def replace(src, dst):
+        if str(dst).endswith("preds.jsonl"):
+            raise OSError(errno.ENOSPC, "No space left")
+        return real(src, dst)
+    monkeypatch.setattr(os, "replace", replace)
+
+
+@pytest.mark.parametrize("patch, code, message", [
+    (fail_in_sample(RuntimeError("a bug, not a user mistake")), None, None),
+    (fail_in_sample(KeyboardInterrupt()), 130, "error: interrupted; no predictions written"),
+    (fail_while_writing(KeyboardInterrupt()), 130, "error: interrupted; no predictions written"),
+    (fail_while_writing(OSError(errno.ENOSPC, "No space left on device")), 1,
+     "error: could not write the predictions to {out} (No space left on device)"),
+    (fail_at_rename, 1, "error: could not write the predictions to {out} (No space left)"),
+], ids=["bug-in-sampling", "ctrl-c-in-sampling", "ctrl-c-while-writing", "disk-full-while-writing",
+        "disk-full-at-rename"])
+def test_eval_leaves_no_file_on_any_failure(model_dir, tmp_path, capsys, monkeypatch, patch, code, message):
+    out = tmp_path / "sub" / "preds.jsonl"
+    patch(monkeypatch)
+    if code is None:  # a bug is a traceback (not ours to hide), but still leaves nothing behind
+        with pytest.raises(RuntimeError, match="a bug"):
+            run_script(EVAL, eval_args(model_dir, "--out", out))
+    else:
+        assert script_error(EVAL, eval_args(model_dir, "--out", out), capsys) == (code, message.format(out=out))
+    assert files(tmp_path) == {}  # no preds.jsonl, no preds.jsonl.tmp
+
+
+@pytest.mark.parametrize("what, fragment", [("missing", "no checkpoint at"), ("corrupt", "is unreadable")])
+def test_eval_bad_checkpoint_is_one_line_and_leaves_nothing(tmp_path, capsys, what, fragment):
+    if what == "corrupt":
+        (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint")
+    path = tmp_path / "missing" if what == "missing" else tmp_path
+    code, line = script_error(EVAL, ["--task", "toy", "--ckpt", path, "--device", "cpu"], capsys)
+    assert_one_line(code, line, 2, "eval.py: error: ", fragment)
+    assert list(files(tmp_path)) == (["ckpt.pt"] if what == "corrupt" else [])
+
+# -----------------------------------------------------------------------------
+# plot.py
+
+
+def write_run(path, rows, tail=""):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+    return str(path)
+
+
+ROWS = [{"step": 0, "reward": 0.1, "kl": 0.0}, {"step": 1, "reward": 0.3, "kl": 0.01},
+        {"step": 1, "eval/strict_acc": 0.2}]
+
+
+@pytest.mark.parametrize("smooth", [0, -2])
+def test_plot_smooth_below_one(tmp_path, capsys, smooth):
+    run = write_run(tmp_path / "a", ROWS)
+    code, line = script_error(PLOT, [run, "--smooth", smooth, "--out", tmp_path / "c.png"], capsys)
+    assert (code, line) == (2, f"plot.py: error: --smooth must be >= 1 (steps in the running mean; 1 = raw), "
+                               f"got {smooth}")
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_plot_out_with_a_format_matplotlib_cannot_write(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = write_run(tmp_path / "a", ROWS)
+    code, line = script_error(PLOT, [run, "--out", tmp_path / "c.xyz"], capsys)
+    assert code == 2 and line.startswith(f"plot.py: error: --out {tmp_path}/c.xyz: matplotlib writes only ")
+    assert {".png", ".pdf", ".svg"} <= set(line.split("only ")[1].split())
+    assert list(files(tmp_path)) == [os.path.join("a", "metrics.jsonl")]
+
+
+def test_plot_out_into_a_missing_folder_creates_it(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "new" / "deeper" / "c.pdf"
+    run_script(PLOT, [write_run(tmp_path / "a", ROWS), "--out", out])
+    assert out.read_bytes()[:5] == b"%PDF-"
+
+
+@pytest.mark.parametrize("flag", ["--key", "--eval-key"])
+def test_plot_a_key_no_run_has_names_the_keys_they_have(tmp_path, capsys, flag):
+    pytest.importorskip("matplotlib")
+    a, b = write_run(tmp_path / "a", ROWS), write_run(tmp_path / "b", [{"step": 0, "reward/correct": 1.0}])
+    code, line = script_error(PLOT, [a, b, flag, "rewrd", "--out", tmp_path / "c.png"], capsys)
+    assert (code, line) == (1, f"error: {flag} rewrd: no run logged it; the runs have eval/strict_acc, kl, reward, "
+                               "reward/correct")
+    assert not (tmp_path / "c.png").exists()
+
+
+@pytest.mark.parametrize("content", ["", "\n\n", '{"step": 0, "rew'], ids=["empty", "blank", "torn-only"])
+def test_plot_a_run_without_rows(tmp_path, capsys, content):
+    pytest.importorskip("matplotlib")
+    a, b = write_run(tmp_path / "a", ROWS), write_run(tmp_path / "b", [], content)
+    code, line = script_error(PLOT, [a, b, "--out", tmp_path / "c.png"], capsys)
+    assert (code, line) == (1, f"error: {b}/metrics.jsonl has no metrics rows (empty, or the run has not logged a "
+                               "step); nothing plotted")
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_plot_rows_that_never_hold_the_key(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = write_run(tmp_path / "a", [{"step": 0, "reward": None}, {"step": 1, "kl": 0.5}])  # null: non-finite
+    code, line = script_error(PLOT, [run, "--out", tmp_path / "c.png"], capsys)
+    assert (code, line) == (1, "error: --key reward: no run logged it; the runs have kl")
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_plot_reads_a_torn_last_line_and_blank_lines(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = write_run(tmp_path / "a", ROWS[:1], "\n\n" + json.dumps(ROWS[1]) + "\n" + '{"step": 2, "reward": 0.')
+    run_script(PLOT, [run, "--out", tmp_path / "c.png"])
+    assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'c.png'}"
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    run = write_run(tmp_path / "a", ROWS)
+    code, line = script_error(PLOT, [run, "--out", tmp_path / "c.png"], capsys)
+    assert (code, line) == (1, "error: plotting needs matplotlib: pip install matplotlib")
 
 # -----------------------------------------------------------------------------
 # in a fresh interpreter: the exit code and stderr a user sees
@@ -777,3 +915,28 @@ def test_failed_run_in_a_fresh_process_exits_1_without_a_traceback(model_dir, tm
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith(
         "error: step 1: reward 'broken' raised KeyError: 'gold' on completion 0 ")
+
+
+@pytest.mark.slow
+def test_eval_real_sigint_in_a_fresh_process(model_dir, tmp_path):
+    out = tmp_path / "preds.jsonl"
+    argv = ["--task", "arith", "--model", model_dir, "--n", 4, "--max-new-tokens", 64, "--device", "cpu",
+            "--dtype", "float32", "--out", out]  # 200 problems, a minute of work: it cannot finish first
+    proc = subprocess.Popen([sys.executable, EVAL, *map(str, argv)], cwd=REPO, env=subprocess_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        err = b""
+        while not re.search(rb"eval: .* [1-9]\d*/200 ", err):  # the bar has moved: inside the evaluation
+            chunk = os.read(proc.stderr.fileno(), 4096)
+            if not chunk:
+                break
+            err += chunk
+        assert re.search(rb"eval: .* [1-9]\d*/200 ", err), err.decode()
+        proc.send_signal(signal.SIGINT)
+        err += proc.stderr.read()
+        assert proc.wait(timeout=60) == 130
+    finally:
+        proc.kill()
+    assert "Traceback" not in err.decode()
+    assert err.decode().strip().splitlines()[-1] == "error: interrupted; no predictions written"
+    assert files(tmp_path) == {}

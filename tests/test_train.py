@@ -339,11 +339,10 @@ def test_config_file_errors_are_one_line(model_dir, tmp_path, capsys, line, mess
     (["--resume", "{tmp}/corrupt"], "no readable checkpoint"),
     (["--out-dir", "{tmp}/afile/sub"], "is not writable"),
     (["--device", "cuda"], "device 'cuda' is not usable here"),
-    (["--reward-weights", "nope=1"], "--reward-weights: 'nope=1'"),
     (["--top-entropy-quantile", 0], "--top-entropy-quantile must be (0, 1], got 0.0"),
     (["--mu", 0], "--mu must be >= 1, got 0"),
 ], ids=["task", "model", "group-size", "micro-batch", "eps-high", "loss-type", "resume-missing",
-        "resume-corrupt", "out-dir", "cuda", "reward-weights", "entropy-quantile", "mu"])
+        "resume-corrupt", "out-dir", "cuda", "entropy-quantile", "mu"])
 def test_bad_input_is_a_one_line_error(model_dir, tmp_path, capsys, monkeypatch, extra, message):
     if extra == ["--device", "cuda"] and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -425,3 +424,29 @@ def test_cosine_schedule_by_hand(model_dir, tmp_path):
     run_script(TRAIN, train_args(model_dir, str(tmp_path), "--config", "warmup_steps=1", "--config",
                                  "lr_schedule='cosine'", steps=4))
     assert [r["lr"] for r in read_metrics(str(tmp_path))] == pytest.approx([5e-4, 1e-3, 5.5e-4, 1e-4])
+
+
+def test_lower_lr_warning_after_three_runaway_steps(tmp_path, capsys):
+    """MetricsLog.write warns once, at the 3rd training step in a row whose kl (or dlogp_p99) is above 1: not at
+    the 2nd, not again at the 4th; a step at or below 1 starts the count over; each key counts on its own; an
+    eval row (no "reward") neither counts nor breaks a streak. Every row lands in metrics.jsonl, nan/inf as null."""
+    import run
+    kl = [2, 2, 2, 2, 1.0, 1.5, 1.5, 1.5, 0.2, 2, 2]  # above 1 at steps 1-4 (warn at 3), 6-8 (warn at 8), 10-11
+    p99 = [0.5, 0.5, 2, 2, 2, 0.9, 3, 3, 0, 2, 2]  # above 1 at steps 3-5 (warn at 5), 7-8, 10-11
+    rows = [{"step": s, "reward": 0.5, "kl": float(k), "dlogp_p99": float(d)}
+            for s, (k, d) in enumerate(zip(kl, p99), 1)]
+    rows[0]["loss"], rows[1]["grad_norm"], rows[2]["loss"] = math.nan, math.inf, -math.inf
+    rows.insert(2, {"step": 2, "eval/strict_acc": 0.5, "kl": 5.0})  # would make step 2 the 3rd if it counted
+    rows.insert(8, {"step": 6, "eval/strict_acc": 0.5, "kl": 0.0})  # would break steps 6-8 if it counted
+    log, seen = run.MetricsLog(str(tmp_path)), []
+    capsys.readouterr()
+    for row in rows:
+        log.write(row)
+        seen += [(row["step"], line) for line in capsys.readouterr().out.splitlines()]
+    log.close()
+    want = [(3, "kl"), (5, "dlogp_p99"), (8, "kl")]
+    assert [s for s, _ in seen] == [s for s, _ in want], seen
+    for (step, line), (_, key) in zip(seen, want):
+        assert line.startswith(f"warning: step {step}: {key} > 1 for 3 steps: ") and line.endswith("lower --lr"), line
+    nulled = [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()} for r in rows]
+    assert run.read_jsonl(os.path.join(tmp_path, "metrics.jsonl")) == nulled  # nan would read back as nan != None
