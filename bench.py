@@ -6,9 +6,9 @@ Benchmark one GRPO step of train.py, optionally side by side with TRL's GRPOTrai
     python bench.py --grid                # cost growth: group size 4/8/16, max new tokens 64/128/256
     python bench.py --compile             # torch.compile of the training forward: eager vs compiled, 80-step projection
 
-The standard configuration: SmolLM2-135M-Instruct, 2 GSM8K prompts x G=8 = 16 completions, 128 new
-tokens, temperature 1.0, beta=0.04 (reference model on), mu=1, lr 1e-6, fp32 master weights with bf16
-autocast. Both sides train the same objective: k3 KL, no sampler correction on ours, and TRL's
+The standard configuration: SmolLM2-135M-Instruct, 2 GSM8K prompts x G=8 = 16 completions (ours in
+micro-batches of 4), 128 new tokens, temperature 1.0, beta=0.04 (reference model on), mu=1, lr 1e-6, fp32
+master weights with bf16 autocast. Both sides train the same objective: k3 KL, no sampler correction on ours, and TRL's
 use_bias_correction_kl=False (its default multiplies the KL term by the ratio, another KL gradient).
 Each side runs in its own subprocess (peak RSS is that process's ru_maxrss); the first step is a
 warm-up and the median of the others is reported.
@@ -32,7 +32,8 @@ p.add_argument("--model", default="smollm2-135m")
 p.add_argument("--steps", type=int, default=4, help="steps per side; the first is a warm-up")
 p.add_argument("--prompts-per-step", type=int, default=2)
 p.add_argument("--group-size", type=int, default=8)
-p.add_argument("--micro-batch", type=int, default=8, help="ours only; TRL does the 16 in one pass")
+p.add_argument("--micro-batch", type=int, default=4, help="ours only (TRL does the 16 in one pass): a micro-batch's "
+               "activations are our step's peak memory; 4 rows run their prompt once, a group twice")
 p.add_argument("--max-new-tokens", type=int, default=128)
 p.add_argument("--beta", type=float, default=0.04)
 p.add_argument("--lr", type=float, default=1e-6)
@@ -214,7 +215,7 @@ def matmul_gflops(dtype, n=10):
         times.append(time.perf_counter() - t)
     return 2 * 2048 * 576 * 1536 / statistics.median(times[2:]) / 1e9
 
-def step_flops(cfg, prompts, G, p, c):
+def step_flops(cfg, prompts, G, p, c, micro_batch=None):
     """Matmul FLOPs of one step by phase, from the model's shapes: B prompts of p tokens, G completions of c
     tokens each. Forward: 2 * (layer weights + head) per token + attention 4 * L * H * context; the prompt runs
     once per group in every pass (the head only at its last token); training = forward + backward (2x) + the
@@ -223,9 +224,10 @@ def step_flops(cfg, prompts, G, p, c):
     kv = H * cfg.num_key_value_heads // cfg.num_attention_heads
     layers = 2 * L * (2 * H * H + 2 * H * kv + 3 * H * cfg.intermediate_size)  # per token
     head, attn = 2 * H * V, lambda ctx: 4 * L * H * ctx
-    prompt = prompts * p * (layers + attn(p / 2))  # each prompt once
+    prompt = prompts * p * (layers + attn(p / 2))  # each prompt once (sampling)
+    runs = max(1, G // (micro_batch or G))  # log-prob passes: once per micro-batch holding the prompt
     completion = prompts * G * c * (layers + attn(p + c / 2))
-    fwd = prompt + completion + prompts * G * c * head
+    fwd = prompt * runs + completion + prompts * G * c * head
     return {"t_generate": prompt + completion + prompts * (1 + G * c) * head, "t_reference": fwd,
             "t_train": 3 * fwd + prompts * G * c * head}
 
@@ -273,7 +275,7 @@ for rnd in range(args.rounds if args.vs_trl else 1):
     med = results["ours"][0]
     peak = matmul_gflops(getattr(torch, args.dtype))
     flops = step_flops(AutoConfig.from_pretrained(resolve_model(args.model)), args.prompts_per_step,
-                       args.group_size, med["prompt_len"], med["completion_len"])
+                       args.group_size, med["prompt_len"], med["completion_len"], args.micro_batch)
     print(f"\nours against a FLOP estimate ({args.dtype} matmul: {peak:.0f} GFLOP/s on this machine)\n")
     print("| phase | estimated GFLOP | at the matmul rate s | measured s | share of the matmul rate |")
     print("|---|---:|---:|---:|---:|")

@@ -154,7 +154,7 @@ if len(train_set) < args.prompts_per_step:
 stops = rollout.stop_token_ids(tokenizer, policy)
 if args.gradient_checkpointing:
     policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-policy.train()
+policy.train(args.gradient_checkpointing)  # eval mode, so no dropout (as TRL), except for HF's checkpointing
 full_kl = args.kl_estimator == "full" and ref is not None
 try:  # the log-prob passes run each group's prompt once, through the KV cache, where a probe finds that exact
     why = rollout.sharing_problem(policy, dtype) or (ref not in (None, policy) and rollout.sharing_problem(ref, dtype))

@@ -265,26 +265,6 @@ def smol_tok():
     return models.load_tokenizer("smollm2-135m")
 
 
-@pytest.mark.real_model
-def test_step_positions_end_on_the_token_that_completes_the_character(smol_tok):
-    """Each step ends on the token holding the character just before char_end, including a character
-    whose UTF-8 bytes are split over several tokens (the reward lands where the character is complete).
-    The independent answer: the tokenizer's own offset mapping."""
-    text = "Let me see: 12 * 3 = 36\ncafé ☕\n7 + 5 = 12\n#### 48"
-    ids = smol_tok(text, add_special_tokens=False)["input_ids"]
-    assert smol_tok.decode(ids) == text
-    offsets = smol_tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-    every_character = lambda completion, example: [(i + 1, float(i)) for i in range(len(completion))]
-    completion_ids = torch.tensor([ids + [smol_tok.eos_token_id] * 3])  # (1, C): the stop token, then padding
-    ends, values, mask = tasks.step_positions(every_character, smol_tok, completion_ids, torch.tensor([len(ids)]),
-                                              [text], [{}], 1)
-    assert mask.all() and values[0].tolist() == [float(i) for i in range(len(text))]
-    for end, k in zip(range(1, len(text) + 1), ends[0].tolist()):
-        # the last token whose span covers character end-1 (a split character: its last byte's token)
-        want = max(i for i, (s, e) in enumerate(offsets) if s <= end - 1 < e)
-        assert k == want, (end, text[:end], k, want)
-
-
 def steps_of(gold, group):
     """The scripted completions of a group: (lines, their step rewards under tasks.arith_step_rewards)."""
     first = [("4 * 2 = 8", 1.0), ("3 + 8 = 11", 1.0)]

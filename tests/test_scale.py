@@ -304,7 +304,7 @@ def three_runs(model_dir, tmp_path_factory):
     fsdp = torchrun(train_args(model_dir, runs["fsdp"], *extra, "--fsdp", steps=2))
     # each group's prompt ran once through the KV cache in all three (under FSDP2 the decoder's units then
     # run twice a micro-batch: the prompt pass, the completion pass): what is compared is the shared path
-    assert g["share"] and all('"prompt_sharing": true' in p.stdout for p in (ddp, fsdp))
+    assert g["share"] and all('prompt sharing: on' in p.stdout for p in (ddp, fsdp))
     return runs
 
 
@@ -368,7 +368,7 @@ def test_lora_on_two_processes_starts_alike_and_averages_the_adapters(model_dir,
     one, two, dump = str(tmp_path / "one"), str(tmp_path / "two"), str(tmp_path / "params")
     run_script(TRAIN, train_args(model_dir, one, *LORA, "--config", "export=none", steps=2))
     proc = torchrun(train_args(model_dir, two, *LORA, "--config", "export=none", steps=2), TOY_DUMP_PARAMS=dump)
-    assert '"prompt_sharing": true' in proc.stdout  # the adapters run on the shared-prompt path too
+    assert 'prompt sharing: on' in proc.stdout  # the adapters run on the shared-prompt path too
     p0, p1 = torch.load(dump + ".rank0.pt"), torch.load(dump + ".rank1.pt")
     for k, v in p0.items():
         assert torch.equal(v, p1[k]), k
