@@ -266,7 +266,8 @@ def test_readme_reward_model_scores_each_text_as_if_alone(monkeypatch):
     prompts = ["w1 w2 w3", "w4", "w5 w6", "w7 w8 w9 w10 w11"]  # 4 to 9 tokens: every row but one is padded
     completions = [" w12", " w13 w14 w15 w16 w17 w18", " w19", " w20 w21 w22"]
     task = tasks.TASKS["gsm8k"]
-    total, per_fn = combine_rewards(task.reward_fns, task.reward_weights, completions, question=prompts, answer=["1"] * 4)
+    total, per_fn = combine_rewards(task.reward_fns, task.reward_weights, completions, question=prompts,
+                                    answer=["1"] * 4)
     with torch.no_grad():  # each text alone, no padding at all
         alone = [rm(input_ids=torch.tensor([tok(p + c)["input_ids"]])).logits[0, 0].item()
                  for p, c in zip(prompts, completions)]
