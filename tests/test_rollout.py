@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import ENDOFTEXT, EOS, VOCAB, make_model, make_tokenizer
-from models import stop_token_ids
+from rollout import stop_token_ids
 from rollout import (Rollout, completion_mask_from_stops, completion_hidden, concat, encode_prompts, filter_logits,
                      head_logprobs, left_pad, sample, sample_from_logits, token_logprobs)
 
