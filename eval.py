@@ -15,6 +15,7 @@ k = 1, 2, 4, ... N. A checkpoint may be a full fine-tune, a LoRA run (adapters m
 import argparse
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -95,6 +96,7 @@ def main():
         os.remove(tmp)
     except OSError as e:
         p.error(f"--out {out} cannot be written ({e.strerror}); pass another path")
+    signal.signal(signal.SIGTERM, run.sigterm)
     try:
         try:
             device = resolve_device(args.device)
@@ -120,9 +122,9 @@ def main():
         except OSError as e:  # a full disk: the summary above stands
             sys.exit(f"error: could not write the predictions to {out} ({e.strerror or e})")
         print(f"predictions -> {out}")
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         print("error: interrupted; no predictions written", file=sys.stderr)
-        sys.exit(130)  # 128 + SIGINT, what a shell reports for Ctrl-C
+        sys.exit(143 if str(e) == "SIGTERM" else 130)  # 128 + the signal, what a shell reports
     finally:  # every way out: no temp file left behind
         if os.path.exists(tmp):
             os.remove(tmp)

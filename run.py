@@ -184,11 +184,14 @@ def read_jsonl(path):
                 continue
     return [r for r in rows if isinstance(r, dict)]
 
+def sigterm(sig, frame):  # a kill ends like Ctrl-C: in one line, with no half-written file
+    raise KeyboardInterrupt("SIGTERM")
+
 @contextmanager
 def interruptible(out_dir, steps):
     """Ctrl-C or SIGTERM ends the run in one line that says where its last checkpoint is and how to go on;
     files written whole or not at all stay as they were."""
-    signal.signal(signal.SIGTERM, lambda sig, frame: (_ for _ in ()).throw(KeyboardInterrupt("SIGTERM")))
+    signal.signal(signal.SIGTERM, sigterm)
     try:
         yield
     except KeyboardInterrupt as e:

@@ -918,7 +918,8 @@ def test_failed_run_in_a_fresh_process_exits_1_without_a_traceback(model_dir, tm
 
 
 @pytest.mark.slow
-def test_eval_real_sigint_in_a_fresh_process(model_dir, tmp_path):
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["INT", "TERM"])
+def test_eval_real_signal_in_a_fresh_process(model_dir, tmp_path, sig, code):
     out = tmp_path / "preds.jsonl"
     argv = ["--task", "arith", "--model", model_dir, "--n", 4, "--max-new-tokens", 64, "--device", "cpu",
             "--dtype", "float32", "--out", out]  # 200 problems, a minute of work: it cannot finish first
@@ -932,9 +933,9 @@ def test_eval_real_sigint_in_a_fresh_process(model_dir, tmp_path):
                 break
             err += chunk
         assert re.search(rb"eval: .* [1-9]\d*/200 ", err), err.decode()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         err += proc.stderr.read()
-        assert proc.wait(timeout=60) == 130
+        assert proc.wait(timeout=60) == code
     finally:
         proc.kill()
     assert "Traceback" not in err.decode()
