@@ -167,11 +167,10 @@ def claim(out_dir, resume, overwrite):
                 shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     return None
 
-def write_json(path, obj):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
+def write_json(path, obj):  # whole or not at all
+    with open(path + ".tmp", "w") as f:
         json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
+    os.replace(path + ".tmp", path)
 
 def read_jsonl(path):
     """JSON lines -> list of dicts, skipping blank and torn lines (what a kill during a write leaves)."""
@@ -179,9 +178,9 @@ def read_jsonl(path):
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
-                rows.append(json.loads(line)) if line.strip() else None
-            except json.JSONDecodeError:
-                continue
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:  # a blank or torn line
+                pass
     return [r for r in rows if isinstance(r, dict)]
 
 def sigterm(sig, frame):  # a kill ends like Ctrl-C: in one line, with no half-written file
@@ -232,12 +231,14 @@ def save_run(out_dir, step, config, policy, optimizer, scheduler, scaler, ref=No
              "ref": None if ref is None else ref.state_dict(), "rng": [rng] * world}
     if world > 1:
         dist.all_gather_object(state["rng"], rng)
-    if hasattr(policy, "unshard") or hasattr(policy, "peft_config"):
+    failed = None
+    if hasattr(policy, "unshard") or hasattr(policy, "peft_config"):  # LoRA, FSDP2: scale.py saves their part
         import scale
         failed = scale.save_state(state, policy, optimizer, out_dir, step)
     else:
-        failed = state.update(model=policy.state_dict(), optimizer=optimizer.state_dict())
-    failed = failed or (None if rank else save(state, os.path.join(out_dir, "ckpt.pt")))
+        state.update(model=policy.state_dict(), optimizer=optimizer.state_dict())
+    if not failed and not rank:
+        failed = save(state, os.path.join(out_dir, "ckpt.pt"))
     if "dcp" in state and not failed and not rank:  # the older shards, now that ckpt.pt names the new ones
         scale.remove_old_dcp(out_dir, keep=state["dcp"])
     return failed
@@ -263,8 +264,7 @@ def restore(path, policy, optimizer, scheduler, scaler, ref=None, rank=0):
 # the metrics log and the export
 
 class MetricsLog:
-    """OUT_DIR/metrics.jsonl, one JSON line a step or eval (a non-finite value as null), + a tracker. On
-    resume the lines after the checkpoint's step (and any torn line) are dropped first."""
+    """OUT_DIR/metrics.jsonl (a non-finite value as null) + a tracker; a resume drops later and torn lines first."""
 
     def __init__(self, out_dir, tracker="none", config=None, resume_step=0):
         self.path = os.path.join(out_dir, "metrics.jsonl")

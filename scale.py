@@ -130,7 +130,8 @@ def save_state(state, policy, optimizer, out_dir, step):
     """Add this policy's part to a checkpoint's `state` (run.save_run) -> None or a one-line reason it failed.
     FSDP2: every rank writes its shards of model and optimizer into out_dir/dcp-<step>, which state names."""
     if not hasattr(policy, "unshard"):
-        return state.update(model=trainable_state(policy), optimizer=optimizer.state_dict())
+        state.update(model=trainable_state(policy), optimizer=optimizer.state_dict())
+        return None
     state["dcp"], failed = save_dcp(policy, optimizer, out_dir, step)
     return failed
 
