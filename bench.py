@@ -114,7 +114,7 @@ def trl_child(out):
                           processing_class=load_tokenizer(args.model), callbacks=[timer])
     trainer.train()
     lens = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    return [dict(r, completion_len=l) for r, l in zip(timer.rows, lens)]
+    return [dict(r, completion_len=n) for r, n in zip(timer.rows, lens)]
 
 def compile_bench(rounds=6, widths=(16, 32, 48), steps=80):
     """Forward+backward of token_logprobs (share=True, as train.py) on 2 arith prompts x G=8, completion widths
@@ -166,7 +166,10 @@ def compile_bench(rounds=6, widths=(16, 32, 48), steps=80):
             tc, ng, lc = step(compiled, ids, mask, w)  # a kill here still leaves the eager times printed
             rows.append((r, w, ids.size(1) - w, te, tc, ng, (le - lc).abs().max().item()))
             print(f"compiled {tc:.2f}s new graphs {ng} max|dlogp| {rows[-1][6]:.3g}", flush=True)
-    med = lambda xs: statistics.median(xs) if xs else float("nan")
+
+    def med(xs):
+        return statistics.median(xs) if xs else float("nan")
+
     te, tc = med([x[3] for x in rows]), med([x[4] for x in rows if not x[5]])  # compiled: steps that did not compile
     comp_s = sum(x[4] - med([y[4] for y in rows if y[1] == x[1] and not y[5]]) for x in rows if x[5])
     print(f"\ngraph breaks {sum(counters['graph_break'].values())} | recompiles (steps with new graphs) "

@@ -143,7 +143,9 @@ def instance_forward(model, env):
 
 
 def global_hook(model, env):
-    mlps = lambda m, args, out: 0.5 * out if type(m).__name__.endswith("MLP") else None  # None: output kept
+    def mlps(m, args, out):  # None: output kept
+        return 0.5 * out if type(m).__name__.endswith("MLP") else None
+
     env.defer(nn.modules.module.register_module_forward_hook(mlps).remove)
     return model
 
@@ -264,8 +266,10 @@ def test_a_global_backward_hook_runs(share):
     ids, mask, cmask = rows()
     C, params = cmask.size(1), list(model.parameters())
     unhooked = torch.autograd.grad(forward_logprobs(model, ids, mask, C)[cmask.bool()].sum(), params)
-    double = lambda m, grad_in, grad_out: tuple(None if g is None else 2 * g for g in grad_in) \
-        if type(m).__name__.endswith("MLP") else None
+
+    def double(m, grad_in, grad_out):
+        return tuple(None if g is None else 2 * g for g in grad_in) if type(m).__name__.endswith("MLP") else None
+
     handle = nn.modules.module.register_module_full_backward_hook(double)
     try:
         got = torch.autograd.grad(rollout.token_logprobs(model, ids, mask, C, share=share)[0].sum(), params)

@@ -360,7 +360,10 @@ def test_padding_changes_neither_loss_nor_gradient(loss_type, level):
 
     loss, grads, metrics = run(logp, old, ref, adv_t, ent)
     pad = ~mask
-    bad = lambda x, v: torch.where(pad, torch.full_like(x, v), x)
+
+    def bad(x, v):
+        return torch.where(pad, torch.full_like(x, v), x)
+
     loss2, grads2, metrics2 = run(bad(logp, -math.inf), bad(old, math.nan), bad(ref, 1e4), bad(adv_t, math.nan),
                                   bad(ent, 1e6))
     torch.testing.assert_close(loss2, loss)
@@ -451,7 +454,10 @@ def test_kl_entropy_terms_and_metrics():
     loss, m = grpo_loss(logp, old, ref, adv, mask, Objective(beta=0.1, entropy_coef=0.01), entropy=ent)
     k3 = kl_estimate(logp, ref)
     lens = mask.sum(1).double()
-    seq_mean = lambda x: (torch.where(mask, x, 0.0).sum(1) / lens).mean()
+
+    def seq_mean(x):
+        return (torch.where(mask, x, 0.0).sum(1) / lens).mean()
+
     torch.testing.assert_close(loss, base + 0.1 * seq_mean(k3) - 0.01 * seq_mean(ent))
     torch.testing.assert_close(m["kl"], k3.detach()[mask].mean())
     torch.testing.assert_close(m["entropy"], ent[mask].mean())

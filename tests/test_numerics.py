@@ -142,8 +142,10 @@ def test_sampling_gives_the_training_pass_log_probs_to_bf16_rounding(kind, monke
     # the bound has teeth: a sampler whose attention rounds the scores to bf16 is far outside it, the same
     # attention written out in fp32 (the control: the swap itself changes nothing else) inside it
     for round_scores in (False, True):
-        attention = lambda q, k, v, attn_mask=None, dropout_p=0.0, scale=None, is_causal=False, **kw: \
-            attend(q, k, v, attn_mask, scale, is_causal, round_scores)[1]
+        def attention(q, k, v, attn_mask=None, dropout_p=0.0, scale=None, is_causal=False, round_scores=round_scores,
+                      **_):
+            return attend(q, k, v, attn_mask, scale, is_causal, round_scores)[1]
+
         with monkeypatch.context() as mp:
             mp.setattr(F, "scaled_dot_product_attention", attention)
             r = rollout.sample(model, tok, PROMPTS, generator=torch.Generator().manual_seed(0), **kw)

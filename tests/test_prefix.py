@@ -100,7 +100,7 @@ def test_logprobs_entropy_and_gradients_equal_the_full_rows(kind, case):
     torch.testing.assert_close(ent, want_ent, **TOL, msg=lambda s: f"entropy: {s}")
     got_g, want_g = grads(logp, w, params), grads(want, w, params)
     for (name, _), a, b in zip(model.named_parameters(), got_g, want_g):
-        torch.testing.assert_close(a, b, **GRAD_TOL, msg=lambda s: f"grad {name}: {s}")
+        torch.testing.assert_close(a, b, **GRAD_TOL, msg=lambda s, name=name: f"grad {name}: {s}")
         assert b.abs().max() > 0, name
 
 

@@ -96,7 +96,7 @@ class Scripted(torch.nn.Module):
 
 def test_sample_masks_with_pad_eq_eos_and_two_stop_ids(tiny_tok, tiny_model):
     stop_ids = [ENDOFTEXT, EOS]  # pad == eos == stop_ids[1]; sample pads with stop_ids[0]
-    _, E, O = -1, EOS, ENDOFTEXT
+    _, E, O = -1, EOS, ENDOFTEXT  # noqa: E741 (O: the other stop id)
     script = [[_, _, _, _, _, _],   # step 0 (prefill): free
               [_, O, _, _, _, _],   # row 1 stops at 1 on the second stop id
               [E, _, _, _, _, _],   # row 0 stops at 2 on eos (== pad)

@@ -108,8 +108,12 @@ def test_first_step_loss_and_gradient_are_grpo_loss_by_hand(model_dir, tmp_path,
     agree to ~1e-6, the norm (~1) to ~1e-6 relative (rtol 1e-5). AdamW's first update is lr * g / (|g| + 1e-8)
     after clipping, i.e. lr * sign(g) to 1e-4 where |g| > 1e-4, far above the gradients' rounding (~1e-6)."""
     sampled = []
-    spy = lambda *a, **k: sampled.append((a[2], real(*a, **k))) or sampled[-1][1]
     real = rollout.sample
+
+    def spy(*a, **k):
+        sampled.append((a[2], real(*a, **k)))
+        return sampled[-1][1]
+
     monkeypatch.setattr(rollout, "sample", spy)
     out = str(tmp_path)
     g = run_script(TRAIN, train_args(model_dir, out, *extra, steps=1))

@@ -85,9 +85,12 @@ def first_parity(completions, answer, **_):
     return [float(score(c, {"answer": a})["strict"]) for c, a in zip(completions, answer)]
 
 
+def parity(word):
+    return "even" if _index(word) % 2 == 0 else "odd"
+
+
 def score(completion, example):
     words = [w for w in completion.split() if _index(w) is not None]
-    parity = lambda w: "even" if _index(w) % 2 == 0 else "odd"
     pred = parity(words[0]) if words else None
     return {"pred": pred, "strict": pred == example["answer"],
             "flexible": any(parity(w) == example["answer"] for w in words), "format": pred is not None}
