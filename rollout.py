@@ -5,6 +5,7 @@ i*G ... i*G+G-1); prompts are left-padded, completions right-padded; position_id
 completion_mask covers the completion up to AND including the first stop token, found by position, never from
 pad_token_id (SmolLM2's pad is its EOS: a pad-based mask would drop the EOS, and the model never learns to stop)."""
 
+import inspect
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
@@ -88,6 +89,12 @@ def sample_from_logits(logits, u):
     cdf = logits.softmax(-1).cumsum(-1)  # (N, V)
     return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=cdf.size(-1) - 1).squeeze(1)
 
+def _cache_kwarg(module, cache):
+    """{name: cache} as module.forward takes it: `cache` from transformers 5.24 on (`past_key_values` warns
+    there), `past_key_values` before."""
+    names = inspect.signature(module.forward).parameters
+    return {"cache" if "cache" in names else "past_key_values": cache}
+
 def _autocast(model, dtype):
     """Autocast to `dtype` when it is lower than the weights' (fp32 master weights, bf16 compute)."""
     p = next(model.parameters())
@@ -119,11 +126,12 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
     tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logps = torch.zeros(N, max_new_tokens, device=device)
     cache = DynamicCache(config=model.config)
+    cached = _cache_kwarg(model.get_decoder() if hasattr(model, "get_decoder") else model, cache)  # peft: **kwargs
     try:
         with _autocast(model, dtype):  # one context for the whole loop: autocast casts each weight once
             pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                           use_cache=True, logits_to_keep=1).logits[:, -1].repeat_interleave(G, 0)  # (N, V)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cached, use_cache=True,
+                           logits_to_keep=1).logits[:, -1].repeat_interleave(G, 0)  # (N, V)
             cache.batch_repeat_interleave(G)
             mask, pos = mask.repeat_interleave(G, 0), pos[:, -1:].repeat_interleave(G, 0)  # (N, P), (N, 1)
             for t in range(max_new_tokens):
@@ -135,7 +143,7 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
                 if t == max_new_tokens - 1 or bool(done.all()):
                     break
                 mask, pos = F.pad(mask, (0, 1), value=1), pos + 1  # (N, P+t+1), (N, 1)
-                logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
+                logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, **cached,
                                use_cache=True).logits[:, -1]  # (N, V)
     finally:
         model.train(was_training)
@@ -236,10 +244,11 @@ def _hidden(model, ids, mask, C, share):
     # each distinct prompt once, into the model's own KV cache (with grad), then every completion on top of it
     first, which = _shared_prompts(ids[:, :-C], mask[:, :-C])  # (B,), (N,)
     cache = DynamicCache(config=model.config)
+    cached = _cache_kwarg(decoder, cache)
     h_prompt = decoder(input_ids=ids[first, :-C], attention_mask=mask[first, :-C], position_ids=pos[first, :-C],
-                       past_key_values=cache, use_cache=True).last_hidden_state[:, -1:]  # (B, 1, H)
+                       **cached, use_cache=True).last_hidden_state[:, -1:]  # (B, 1, H)
     cache.batch_select_indices(which)  # (N, heads, P, d) per layer
-    h = decoder(input_ids=ids[:, -C:], attention_mask=mask, position_ids=pos[:, -C:], past_key_values=cache,
+    h = decoder(input_ids=ids[:, -C:], attention_mask=mask, position_ids=pos[:, -C:], **cached,
                 use_cache=True).last_hidden_state  # (N, C, H)
     return torch.cat([h_prompt[which], h[:, :-1]], 1)  # (N, C, H): the prompt's last state predicts token 0
 

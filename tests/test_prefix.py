@@ -235,7 +235,8 @@ def test_an_attention_that_ignores_the_cache_is_a_sharing_problem(monkeypatch, s
     forward = attn.forward
 
     def no_cache(hidden_states, *args, **kwargs):
-        kwargs["past_key_values"], mask = None, kwargs.get("attention_mask")
+        kwargs.update(dict.fromkeys(("cache", "past_key_values") & kwargs.keys()))  # the name per transformers version
+        mask = kwargs.get("attention_mask")
         if silent and mask is not None:
             kwargs["attention_mask"] = mask[..., -hidden_states.size(1):]  # (N, 1, q, q)
         return forward(hidden_states, *args, **kwargs)

@@ -82,6 +82,9 @@ class Scripted(torch.nn.Module):
         super().__init__()
         self.model, self.config, self.script, self.calls, self.low = model, model.config, script, 0, low
 
+    def get_decoder(self):  # sample() names the cache argument as the decoder's forward does
+        return self.model.get_decoder()
+
     def forward(self, **kw):
         logits = self.model(**kw).logits[:, -1:].clone()  # (n, 1, V)
         t, self.calls = self.calls, self.calls + 1
