@@ -7,7 +7,7 @@ pad_token_id (SmolLM2's pad is its EOS: a pad-based mask would drop the EOS, and
 
 import inspect
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -20,28 +20,34 @@ import grpo
 class Rollout:
     prompt_ids: torch.Tensor       # (N, P) left-padded prompt tokens, N = num_prompts * G
     prompt_mask: torch.Tensor      # (N, P) 1 on real prompt tokens
-    completion_ids: torch.Tensor   # (N, C) sampled tokens, pad after the first stop token
-    completion_mask: torch.Tensor  # (N, C) 1 up to and including the first stop token
-    truncated: torch.Tensor        # (N,) bool: hit max_new_tokens without a stop token
+    completion_ids: torch.Tensor   # (N, C) the trajectory: sampled tokens (and tool replies), pad after the stop
+    completion_mask: torch.Tensor  # (N, C) 1 on the model's own tokens, up to and including the first stop token
+    truncated: torch.Tensor        # (N,) bool: ended without a stop token (max_new_tokens, or the tool call limit)
     completions: list              # N decoded strings, stop token excluded
     sample_logp: torch.Tensor      # (N, C) log-probs at sampling time (temperature applied, before top-p)
     prompt_cut: torch.Tensor       # (N,) bool: the prompt was cut from the left to max_prompt_tokens
+    env_mask: torch.Tensor         # (N, C) bool: a tool's reply, which the model reads but is not trained on
+    tool_calls: torch.Tensor       # (N,) tool calls of each row
+    tool_errors: torch.Tensor      # (N,) of them, the ones answered with an error
 
     @property
     def input_ids(self):
         return torch.cat([self.prompt_ids, self.completion_ids], 1)  # (N, P+C)
 
     @property
-    def attention_mask(self):
-        return torch.cat([self.prompt_mask, self.completion_mask], 1)  # (N, P+C)
+    def attention_mask(self):  # what the model attends to: prompt, its own tokens and the tools' replies
+        return torch.cat([self.prompt_mask, self.completion_mask + self.env_mask.long()], 1)  # (N, P+C)
 
-def encode_prompts(tokenizer, prompts):
-    """Prompts (chat messages or strings) -> token-id lists; without a chat template messages join by newlines."""
+def encode_prompts(tokenizer, prompts, env=None):
+    """Prompts (chat messages or strings) -> token-id lists; without a chat template messages join by newlines.
+    env (tools.ToolEnv): its tools shown as the template can show them."""
     out = []
     for p in prompts:
         if tokenizer.chat_template:
-            messages = [{"role": "user", "content": p}] if isinstance(p, str) else p
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            messages, tools = ([{"role": "user", "content": p}] if isinstance(p, str) else p), {}
+            if env is not None:
+                messages, tools = env.render(messages)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **tools)
             out.append(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template has its own BOS
         else:
             text = p if isinstance(p, str) else "\n".join(m["content"] for m in p)
@@ -103,18 +109,19 @@ def _autocast(model, dtype):
 
 @torch.no_grad()
 def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature=1.0, top_p=1.0,
-           generator=None, dtype=None, max_prompt_tokens=None):
+           generator=None, dtype=None, max_prompt_tokens=None, env=None):
     """Sample `group_size` completions for each prompt (temperature 0: greedy) through `model(...)` and its KV
     cache: each prompt is prefilled once and its cache repeated G times; all rows decode together until each has
     a stop token or max_new_tokens is reached. generator: a torch.Generator, or one per prompt (its completions
-    then do not depend on its neighbours or the process). max_prompt_tokens: longer prompts keep their last ones."""
+    then do not depend on its neighbours or the process). max_prompt_tokens: longer prompts keep their last ones.
+    env (tools.ToolEnv): a row that calls a tool is fed the tool's reply, one token a step, and decodes on."""
     if group_size < 1 or max_new_tokens < 1 or not temperature >= 0 or not 0 < top_p <= 1:
         raise ValueError(f"need group_size, max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1; got "
                          f"{group_size}, {max_new_tokens}, {temperature}, {top_p}")
     was_training, G = model.training, group_size
     model.eval()  # no dropout, and HF drops the KV cache in train mode under gradient checkpointing
     device, pad_id = next(model.parameters()).device, stop_ids[0]  # any pad id works: padding is masked everywhere
-    seqs = encode_prompts(tokenizer, prompts)
+    seqs = encode_prompts(tokenizer, prompts, env)
     cut = torch.tensor([max_prompt_tokens is not None and len(s) > max_prompt_tokens for s in seqs])  # (B,)
     seqs = [s[-max_prompt_tokens:] for s in seqs] if max_prompt_tokens else seqs
     ids, mask = (t.to(device) for t in left_pad(seqs, pad_id))  # (B, P)
@@ -125,6 +132,9 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
     stop, done = torch.as_tensor(stop_ids, device=device), torch.zeros(N, dtype=torch.bool, device=device)
     tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
     logps = torch.zeros(N, max_new_tokens, device=device)
+    real, is_env = torch.zeros(2, N, max_new_tokens, dtype=torch.bool, device=device)  # a row's token; a reply's
+    if env is not None:
+        env.reset(N)
     cache = DynamicCache(config=model.config)
     cached = _cache_kwarg(model.get_decoder() if hasattr(model, "get_decoder") else model, cache)  # peft: **kwargs
     try:
@@ -137,9 +147,13 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
             for t in range(max_new_tokens):
                 logits = logits.float() / (temperature or 1.0)  # (N, V)
                 tok = sample_from_logits(filter_logits(logits, top_p), u[:, t]) if temperature else logits.argmax(-1)
-                tokens[:, t] = tok = tok.masked_fill(done, pad_id)  # (N,)
+                real[:, t], tok = ~done, tok.masked_fill(done, pad_id)  # (N,)
+                if env is not None:  # a row in a tool's reply takes the reply's next token instead
+                    tok, is_env[:, t], end = env.step(tok, done)
+                    done |= end  # a call over the limit ends the row
+                tokens[:, t] = tok
                 logps[:, t] = logits.log_softmax(-1).gather(1, tok[:, None]).squeeze(1)
-                done |= torch.isin(tok, stop)
+                done |= torch.isin(tok, stop) & ~is_env[:, t]  # a reply's end-of-turn is no stop
                 if t == max_new_tokens - 1 or bool(done.all()):
                     break
                 mask, pos = F.pad(mask, (0, 1), value=1), pos + 1  # (N, P+t+1), (N, 1)
@@ -147,26 +161,30 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
                                use_cache=True).logits[:, -1]  # (N, V)
     finally:
         model.train(was_training)
-    completion_ids, logps = tokens[:, :t + 1], logps[:, :t + 1]  # (N, C); ids are pad_id after a row's stop already
-    completion_mask, truncated = completion_mask_from_stops(completion_ids, stop_ids)
-    lengths = completion_mask.sum(1) - (~truncated).long()  # (N,) tokens before the stop token
+    completion_ids, real, is_env = tokens[:, :t + 1], real[:, :t + 1], is_env[:, :t + 1]  # (N, C) each
+    completion_mask = (real & ~is_env).long()  # (N, C) the model's own tokens, its stop token included
+    truncated = ~(torch.isin(completion_ids, stop) & completion_mask.bool()).any(1)  # (N,)
+    lengths = real.sum(1) - (~truncated).long()  # (N,) tokens before the stop token
     texts = tokenizer.batch_decode([row[:n] for row, n in zip(completion_ids.tolist(), lengths.tolist())],
-                                   skip_special_tokens=True)
+                                   skip_special_tokens=env is None)  # a tool's reply shows its turns
+    calls, errors = (env.calls, env.errors) if env is not None else torch.zeros(2, N, dtype=torch.long)
     return Rollout(prompt_ids=ids.repeat_interleave(G, 0), prompt_mask=mask[:, :ids.size(1)],
                    completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
-                   completions=texts, sample_logp=logps.masked_fill(completion_mask == 0, 0.0),
-                   prompt_cut=cut.repeat_interleave(G, 0).to(device))
+                   completions=texts, sample_logp=logps[:, :t + 1].masked_fill(completion_mask == 0, 0.0),
+                   prompt_cut=cut.repeat_interleave(G, 0).to(device), env_mask=is_env, tool_calls=calls.to(device),
+                   tool_errors=errors.to(device))
 
 def concat(rollouts, rows):
     """Rollouts of different widths -> one Rollout of the rows `rows[i]` of rollout i: prompts re-padded on
     the left, completions on the right (masked, log-prob 0)."""
-    P, C = (max(getattr(r, k).size(1) for r in rollouts) for k in ("prompt_ids", "completion_ids"))
-    pad = lambda t, w, left: F.pad(t, (w - t.size(1), 0) if left else (0, w - t.size(1))) if w else t
-    cat = lambda k, w=0, left=False: torch.cat([pad(getattr(r, k), w, left)[i] for r, i in zip(rollouts, rows)])
-    return Rollout(prompt_ids=cat("prompt_ids", P, True), prompt_mask=cat("prompt_mask", P, True),
-                   completion_ids=cat("completion_ids", C), completion_mask=cat("completion_mask", C),
-                   truncated=cat("truncated"), sample_logp=cat("sample_logp", C), prompt_cut=cat("prompt_cut"),
-                   completions=[r.completions[j] for r, i in zip(rollouts, rows) for j in i.tolist()])
+    out = {"completions": [r.completions[j] for r, i in zip(rollouts, rows) for j in i.tolist()]}
+    for name in [f.name for f in fields(Rollout) if f.name != "completions"]:
+        parts = [getattr(r, name) for r in rollouts]  # (n_i, w_i) or (n_i,)
+        w = max(x.size(-1) for x in parts)
+        left = name.startswith("prompt")  # prompts are left-padded, completions right-padded
+        parts = [F.pad(x, (w - x.size(1), 0) if left else (0, w - x.size(1))) if x.dim() == 2 else x for x in parts]
+        out[name] = torch.cat([x[i] for x, i in zip(parts, rows)])
+    return Rollout(**out)
 
 def micro_batches(r, size):
     """Yield (rows, input_ids, attention_mask, c) for each slice of `size` rows of a Rollout, trimmed to the
@@ -203,8 +221,9 @@ def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False,
     for i in range(0, hidden.size(0), size):
         a = (hidden[i:i + size], targets[i:i + size], None if ref is None else ref[1][i:i + size])
         out.append(checkpoint(chunk, *a, use_reentrant=False) if grad else chunk(*a))
-    cat = lambda k: torch.cat([o[k] for o in out]) if out and out[0][k] is not None else None
-    return (cat(0) if out else hidden.new_zeros(0, dtype=torch.float32)), cat(1), cat(2)
+    if not out:  # no position to score
+        return hidden.new_zeros(0, dtype=torch.float32), None, None
+    return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*out))
 
 def _check_outer(model):
     """Refuse what only model(...) would run, rather than compute something else without it."""

@@ -46,7 +46,8 @@ def make_rollout(G=4, n_prompts=2, P=7, C=9):
     prompt_ids = prompt_ids.masked_fill(prompt_mask == 0, PAD)
     completion_ids = completion_ids.masked_fill(completion_mask == 0, PAD)
     return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, comp_len == C, [""] * N,
-                   torch.zeros(N, C), torch.zeros(N, dtype=torch.bool))
+                   torch.zeros(N, C), torch.zeros(N, dtype=torch.bool), torch.zeros(N, C, dtype=torch.bool),
+                   *torch.zeros(2, N, dtype=torch.long))
 
 
 def naive_loss(policy, ref, r, adv, beta, eps, temperature):

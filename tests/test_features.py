@@ -298,7 +298,8 @@ def scripted_sampler(tok, real_sample, record):
         completion_mask, truncated = rollout.completion_mask_from_stops(completion_ids, stop_ids)
         texts = tokenizer.batch_decode([x[:-1] for x in rows], skip_special_tokens=True)  # as sample() decodes
         r = rollout.Rollout(base.prompt_ids, base.prompt_mask, completion_ids, completion_mask, truncated,
-                            texts, torch.zeros(len(rows), C), base.prompt_cut)
+                            texts, torch.zeros(len(rows), C), base.prompt_cut,
+                            torch.zeros(len(rows), C, dtype=torch.bool), *torch.zeros(2, len(rows), dtype=torch.long))
         with torch.no_grad():  # the sampling log-probs are the policy's own: no behaviour correction
             r.sample_logp = rollout.token_logprobs(model, r.input_ids, r.attention_mask, C)[0]
         record.append((r, ends, golds))

@@ -441,19 +441,24 @@ def test_concat_repads_and_picks_rows_by_hand():
     t = torch.tensor
     a = Rollout(prompt_ids=t([[0, 7, 8], [9, 9, 9]]), prompt_mask=t([[0, 1, 1], [1, 1, 1]]),
                 completion_ids=t([[5, 3], [6, 6]]), completion_mask=t([[1, 1], [1, 1]]), truncated=t([False, True]),
-                completions=["a0", "a1"], sample_logp=t([[-0.5, -0.25], [-1.0, -2.0]]), prompt_cut=t([False, True]))
+                completions=["a0", "a1"], sample_logp=t([[-0.5, -0.25], [-1.0, -2.0]]), prompt_cut=t([False, True]),
+                env_mask=t([[False, False], [False, False]]), tool_calls=t([0, 2]), tool_errors=t([0, 1]))
     b = Rollout(prompt_ids=t([[4]]), prompt_mask=t([[1]]), completion_ids=t([[7, 7, 3]]),
-                completion_mask=t([[1, 1, 1]]), truncated=t([False]), completions=["b0"],
-                sample_logp=t([[-0.1, -0.2, -0.3]]), prompt_cut=t([False]))
+                completion_mask=t([[1, 0, 1]]), truncated=t([False]), completions=["b0"],  # 7 at 1: a tool's reply
+                sample_logp=t([[-0.1, 0.0, -0.3]]), prompt_cut=t([False]), env_mask=t([[False, True, False]]),
+                tool_calls=t([1]), tool_errors=t([0]))
     r = concat([a, b], [t([1, 0]), t([0])])  # a's rows swapped, then b's
     assert r.prompt_ids.tolist() == [[9, 9, 9], [0, 7, 8], [0, 0, 4]]
     assert r.prompt_mask.tolist() == [[1, 1, 1], [0, 1, 1], [0, 0, 1]]
     assert r.completion_ids.tolist() == [[6, 6, 0], [5, 3, 0], [7, 7, 3]]
-    assert r.completion_mask.tolist() == [[1, 1, 0], [1, 1, 0], [1, 1, 1]]
-    assert torch.equal(r.sample_logp, t([[-1.0, -2.0, 0.0], [-0.5, -0.25, 0.0], [-0.1, -0.2, -0.3]]))
+    assert r.completion_mask.tolist() == [[1, 1, 0], [1, 1, 0], [1, 0, 1]]
+    assert torch.equal(r.sample_logp, t([[-1.0, -2.0, 0.0], [-0.5, -0.25, 0.0], [-0.1, 0.0, -0.3]]))
     assert r.truncated.tolist() == [True, False, False] and r.prompt_cut.tolist() == [True, False, False]
     assert r.completions == ["a1", "a0", "b0"]
+    assert r.env_mask.tolist() == [[False, False, False], [False, False, False], [False, True, False]]
+    assert r.tool_calls.tolist() == [2, 0, 1] and r.tool_errors.tolist() == [1, 0, 0]
     assert r.input_ids[2].tolist() == [0, 0, 4, 7, 7, 3] and r.attention_mask[1].tolist() == [0, 1, 1, 1, 1, 0]
+    assert r.attention_mask[2].tolist() == [0, 0, 1, 1, 1, 1]  # the model reads the tool's reply
 
 
 def test_sample_from_logits_follows_the_distribution_and_never_draws_removed_tokens():
