@@ -8,7 +8,7 @@ import torch
 
 SCALES = ("group", "batch", "none")
 KL_ESTIMATORS = ("k1", "k2", "k3", "k3_clamped", "full")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 IMPORTANCE_LEVELS = ("token", "sequence")
 BEHAVIOUR_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
@@ -29,6 +29,12 @@ def _check_groups(n, group_size):  # a group of one has no baseline
 
 def _up(x):  # exp/ratio math in at least fp32: bf16 has ~3 significant digits
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+def _mean(x, mask):  # over valid entries, 0-dim, no host sync; 0 for an all-masked call, not NaN
+    return torch.where(mask, x, 0).sum() / mask.sum().clamp(min=1)
+
+def _max(x, mask):  # as _mean; the min is -_max(-x, mask)
+    return torch.where(mask.any(), torch.where(mask, x, -torch.inf).amax(), 0.0)
 
 # ----------------------------------------------------------------------------- advantages
 def informative_groups(rewards, group_size):
@@ -109,6 +115,17 @@ def clipped_surrogate(ratio, advantages, eps_low=0.2, eps_high=None, delta=None)
     ratio = ratio if delta is None else ratio.clamp(max=delta)
     return torch.minimum(ratio * advantages, clipped)
 
+def cispo_surrogate(ratio, advantages, logp, cap=5.0):
+    """CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585 §3.1 eq. 4-5), to maximise sg(min(rho, cap)) A log pi: the
+    weight is detached, a clipped token keeps its gradient; no lower bound. ratio, logp (N, T), A (N, 1|T) -> (N, T)"""
+    return ratio.clamp(max=cap).detach() * advantages * logp
+
+def sapo_surrogate(ratio, advantages, tau_pos=1.0, tau_neg=1.05):
+    """SAPO (https://arxiv.org/abs/2511.20347 §3), to maximise f(rho) A, f(x) = sigmoid(tau (x - 1)) 4 / tau with
+    tau = tau_pos if A > 0 else tau_neg: a soft gate for the clip, f'(1) = 1. ratio (N, T), A (N, 1|T) -> (N, T)"""
+    tau = torch.where(advantages > 0, ratio.new_tensor(tau_pos), tau_neg)  # (N, 1|T), in ratio's dtype: 1.05 in fp64
+    return torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+
 def kl_estimate(logp, ref_logp, estimator="k3_clamped"):
     """Per-token KL(pi || pi_ref) from tokens sampled from pi, x = ref_logp - logp (joschu.net/blog/kl-approx.html):
     k1 = -x, k2 = x^2 / 2, k3 = e^x - x - 1 (DeepSeekMath eq. 4), k3_clamped = min(k3(clamp(x, -20, 20)), 10)
@@ -173,10 +190,10 @@ def top_entropy_mask(entropy, mask, quantile):
 def aggregate(per_token, mask, loss_type="grpo", num_sequences=None, num_tokens=None, max_len=None):
     """Per-token loss l (N, T) -> 0-dim, |o_i| = sum_t m_it. A call may be a micro-batch of a batch of num_sequences
     rows and num_tokens valid tokens (default: this call's); the calls sum to the batch's loss (bnpo: token means').
-      "grpo"    (DeepSeekMath eq. 3): sum_i (sum_t m l / |o_i|) / num_sequences
-      "bnpo"    (TRL): sum_it m l / sum_it m * N / num_sequences
-      "dr_grpo" (https://arxiv.org/abs/2503.20783 §3.2): sum_it m l / (num_sequences * max_len)
-      "dapo"    (https://arxiv.org/abs/2503.14476 eq. 8): sum_it m l / num_tokens"""
+      "grpo", "sapo"  (DeepSeekMath eq. 3; SAPO §3): sum_i (sum_t m l / |o_i|) / num_sequences
+      "bnpo"          (TRL): sum_it m l / sum_it m * N / num_sequences
+      "dr_grpo"       (https://arxiv.org/abs/2503.20783 §3.2): sum_it m l / (num_sequences * max_len)
+      "dapo", "cispo" (https://arxiv.org/abs/2503.14476 eq. 8; MiniMax-M1 eq. 4): sum_it m l / num_tokens"""
     _check_choice("loss_type", loss_type, LOSS_TYPES)
     _check_shape("mask", mask, per_token.shape)
     N, T = per_token.shape
@@ -184,7 +201,7 @@ def aggregate(per_token, mask, loss_type="grpo", num_sequences=None, num_tokens=
     num_sequences, max_len = N if num_sequences is None else num_sequences, T if max_len is None else max_len
     _check(max_len >= T, f"max_len ({max_len}) must be >= the completion length T ({T})")
     masked = torch.where(mask, per_token, 0.0)  # (N, T)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / num_sequences
     if loss_type == "bnpo":
         return masked.sum() / mask.sum().clamp(min=1) * (N / num_sequences)
@@ -195,8 +212,8 @@ def aggregate(per_token, mask, loss_type="grpo", num_sequences=None, num_tokens=
 
 @dataclass(frozen=True)
 class Objective:
-    """grpo_loss's options, each train.py's flag of the same name (max_len: --max-new-tokens, dr_grpo's divisor).
-    eps_high=None becomes eps. Choices and cross-field checks here, each value's range in train.py's flag checks."""
+    """grpo_loss's options, each train.py's flag or config key of the same name (max_len: --max-new-tokens, dr_grpo's
+    divisor). eps_high=None becomes eps. Choices and cross-field checks here, each value's range in train.py's check."""
     beta: float = 0.04
     kl_estimator: str = "k3_clamped"
     loss_type: str = "grpo"
@@ -207,6 +224,9 @@ class Objective:
     entropy_coef: float = 0.0
     top_entropy_quantile: float = 1.0
     max_len: int | None = None
+    cispo_cap: float = 5.0  # TRL reads epsilon_high (default eps) for it; 5: its docs' advice (ScaleRL's eps_max)
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
 
     def __post_init__(self):
         _check_choice("--kl-estimator", self.kl_estimator, KL_ESTIMATORS)
@@ -216,16 +236,19 @@ class Objective:
         object.__setattr__(self, "eps_high", eh)  # frozen: resolved once, here; the checks below fail on NaN too
         _check(eh >= self.eps, f"--eps-high {eh} < --eps {self.eps}: clip-higher needs eps_high >= eps")
         _check(self.delta is None or self.delta > 1 + eh, f"--delta {self.delta} must be > 1 + eps_high = {1 + eh}")
+        _check(self.loss_type not in ("cispo", "sapo") or (self.delta is None and eh == self.eps),  # TRL ignores them
+               f"--loss-type {self.loss_type} does not clip: drop --delta and --eps-high (cispo's bound is cispo_cap)")
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, obj, *, entropy=None, kl=None, behaviour_weights=None,
               num_sequences=None, num_tokens=None):
     """DeepSeekMath eq. 3 with obj's variants; per token, then aggregate(l, mask, obj.loss_type, ...):
-        l_t = -min(min(rho, delta) A, clip(rho, 1 - eps, 1 + eps_high) A) e_t w_t + beta KL_t - entropy_coef H_t
-    e_t (top_entropy_mask) and w_t (behaviour_weights, detached) scale the policy term only, as TRL. All (N, T):
-    logp with grad; old_logp or None (mu=1: logp.detach(), value A, gradient A grad logp); ref_logp if beta > 0;
-    kl, full_kl's with grad, if kl_estimator="full"; entropy if entropy_coef != 0 (with grad) or top_entropy_quantile
-    < 1; advantages (N,) or (N, T). -> (loss 0-dim, metrics of detached 0-dim tensors over valid tokens: clip_low,
-    clip_high, clip (token-weighted at both levels), kl and kl_max if beta > 0, entropy if given, ratio_mean/min/max)"""
+        l_t = -S_t e_t w_t + beta KL_t - entropy_coef H_t, S_t = min(min(rho, delta) A, clip(rho, 1-eps, 1+eps_high) A)
+    (clipped_surrogate) or cispo_/sapo_surrogate's by loss type; e_t (top_entropy_mask) and w_t (behaviour_weights,
+    detached) scale the policy term only, as TRL. All (N, T): logp with grad; old_logp or None (mu=1: logp.detach(),
+    gradient A grad logp); ref_logp if beta > 0; kl, full_kl's with grad, if kl_estimator="full"; entropy if
+    entropy_coef != 0 (with grad) or top_entropy_quantile < 1; advantages (N,) or (N, T). -> (loss 0-dim, metrics of
+    detached 0-dim tensors over valid tokens: clip_low, clip_high, clip (token-weighted at both levels; cispo's: rho >
+    cispo_cap with A > 0, as TRL), kl and kl_max if beta > 0, entropy if given, ratio_mean/min/max)"""
     _check(logp.dim() == 2, f"logp must have shape (N, T), got {tuple(logp.shape)}")
     N, T = logp.shape
     _check_shape("advantages", advantages, (N, T) if advantages.dim() == 2 else (N,))
@@ -243,7 +266,12 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, obj, *, entropy=None, 
     old_logp = logp.detach() if old_logp is None else old_logp
     adv = _up(advantages)[:, None] if advantages.dim() == 1 else torch.where(mask, _up(advantages), 0.0)  # (N, 1|T)
     ratio = importance_ratio(logp, old_logp, mask, obj.importance_level)  # (N, T)
-    per_token = -clipped_surrogate(ratio, adv, obj.eps, obj.eps_high, obj.delta)  # (N, T)
+    if obj.loss_type == "cispo":
+        per_token = -cispo_surrogate(ratio, adv, logp, obj.cispo_cap)  # (N, T)
+    elif obj.loss_type == "sapo":
+        per_token = -sapo_surrogate(ratio, adv, obj.sapo_temperature_pos, obj.sapo_temperature_neg)  # (N, T)
+    else:  # the clip of eq. 3
+        per_token = -clipped_surrogate(ratio, adv, obj.eps, obj.eps_high, obj.delta)  # (N, T)
     if obj.top_entropy_quantile < 1:
         per_token = per_token * top_entropy_mask(entropy, mask, obj.top_entropy_quantile)
     if behaviour_weights is not None:
@@ -257,16 +285,13 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, obj, *, entropy=None, 
         per_token = per_token - obj.entropy_coef * torch.where(mask, _up(entropy), 0.0)
     loss = aggregate(per_token, mask, obj.loss_type, num_sequences, num_tokens, obj.max_len)
     with torch.no_grad():  # metrics: detached, no .item() (no device sync); an all-masked call gives 0, not NaN
-        n, any_valid = mask.sum().clamp(min=1), mask.any()
-        mean = lambda x: torch.where(mask, x, 0).sum() / n
-        vmax = lambda x: torch.where(any_valid, torch.where(mask, x, -torch.inf).amax(), 0.0)
-        low = (ratio < 1 - obj.eps) & (adv < 0)  # (N, T)
-        high = (ratio > 1 + obj.eps_high) & (adv > 0)  # (N, T)
-        metrics = {"clip_low": mean(low.float()), "clip_high": mean(high.float()), "clip": mean((low | high).float())}
+        cispo = obj.loss_type == "cispo"  # one bound, no lower one
+        low = (ratio < 1 - obj.eps) & (adv < 0) & (not cispo)  # (N, T)
+        high = (ratio > (obj.cispo_cap if cispo else 1 + obj.eps_high)) & (adv > 0)  # (N, T)
+        metrics = {k: _mean(x.float(), mask) for k, x in (("clip_low", low), ("clip_high", high), ("clip", low | high))}
         if beta > 0:
-            metrics["kl"], metrics["kl_max"] = mean(kl), vmax(kl)
+            metrics["kl"], metrics["kl_max"] = _mean(kl, mask), _max(kl, mask)
         if entropy is not None:
-            metrics["entropy"] = mean(_up(entropy))
-        metrics.update(ratio_mean=mean(ratio), ratio_max=vmax(ratio),
-                       ratio_min=torch.where(any_valid, torch.where(mask, ratio, torch.inf).amin(), 0.0))
+            metrics["entropy"] = _mean(_up(entropy), mask)
+        metrics.update(ratio_mean=_mean(ratio, mask), ratio_max=_max(ratio, mask), ratio_min=-_max(-ratio, mask))
     return loss, metrics

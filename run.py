@@ -2,7 +2,8 @@
 What a run owns: its flags (defaults < config files < the command line, each value checked before anything
 loads), its directory (`run.json`, `metrics.jsonl`, `ckpt.pt`, `hf/`, locked while it runs; nothing else there
 is written or deleted), its checkpoints and its export, each written whole or not at all: a temp file renamed
-into place, so a kill leaves the last good one.
+into place, so a kill leaves the last good one (and the temp file, which the next start removes). A checkpoint
+holds tensors, numbers, strings and plain containers only, and is read with torch.load(weights_only=True).
 """
 
 import ast
@@ -11,22 +12,27 @@ import fcntl
 import json
 import math
 import os
+import pickle
 import random
+import re
 import shutil
 import signal
 import sys
 import tempfile
-from contextlib import contextmanager
+import zipfile
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
-OWN = ("run.json", "metrics.jsonl", "ckpt.pt", "ckpt.pt.tmp", "tensorboard", "wandb", "hf")  # + dcp-*, .hf.*
+OWN = ("run.json", "metrics.jsonl", "ckpt.pt", "tensorboard", "wandb", "hf")  # + dcp-*, temp files (_own)
 EXPORT_MARK = ".grpo-export"  # in hf/: the folder is a run's export, which a later export may replace
 IDENTITY = ("model", "task", "data_dir", "lora_rank", "fsdp", "seed")  # what --resume may not change
+PATHS = ("config", "data_dir", "model", "out_dir", "resume")  # ~ and $VARS expanded, in config files too
+
+def user_path(path):
+    return os.path.expandvars(os.path.expanduser(path)) if isinstance(path, str) else path
 
 # -----------------------------------------------------------------------------
 # flags
@@ -34,7 +40,7 @@ IDENTITY = ("model", "task", "data_dir", "lora_rank", "fsdp", "seed")  # what --
 def _config(p, spec, keys):
     """A config file, or an inline `name=value` (a value that is no literal is a string) -> {name: value}; a
     mistake is one p.error line."""
-    if "=" in spec and not os.path.isfile(spec):
+    if "=" in spec and not os.path.isfile(user_path(spec)):
         name, _, text = (x.strip() for x in spec.partition("="))
         try:
             lines = [(name, ast.literal_eval(text), f"--config {spec}")]
@@ -42,7 +48,7 @@ def _config(p, spec, keys):
             lines = [(name, text, f"--config {spec}")]
     else:
         try:
-            with open(spec, encoding="utf-8") as f:
+            with open(user_path(spec), encoding="utf-8") as f:
                 tree = ast.parse(f.read(), spec)
         except (OSError, SyntaxError, UnicodeDecodeError, ValueError) as e:
             p.error(f"cannot read config {spec} ({type(e).__name__}); pass a file of `name = value` lines")
@@ -58,23 +64,22 @@ def _config(p, spec, keys):
         if name not in keys:
             p.error(f"{where}: unknown key '{name}'; keys are the flags with _ for - (e.g. group_size) and the "
                     "config-only ones listed in train.py")
-    return {name: value for name, value, _ in lines}
+    return {name: user_path(value) if name in PATHS else value for name, value, _ in lines}
 
 def parse(p, ranges, constants, argv=None):
-    """Flags with config files and --resume applied, every value checked -> (args, checkpoint path or None).
-    constants: {name: (default, choices tuple or range)} of the values only config files set."""
+    """Flags with config files and --resume applied, every value checked -> (args, the checkpoint to resume
+    from or None). constants: {name: (default, choices tuple or range)} of the values only config files set."""
     flags = {a.dest for a in p._actions} - {"help", "config"}
     pre = p.parse_known_args(argv)[0]
     configs = [_config(p, c, flags | set(constants)) for c in pre.config]
-    resume = pre.resume or next((c["resume"] for c in reversed(configs) if c.get("resume")), None)
-    values, ckpt_path, saved = {k: d for k, (d, _) in constants.items()}, None, {}
+    resume = user_path(pre.resume) or next((c["resume"] for c in reversed(configs) if c.get("resume")), None)
+    values, ckpt, saved = {k: d for k, (d, _) in constants.items()}, None, {}
     if resume:
-        ckpt_path = os.path.join(resume, "ckpt.pt") if os.path.isdir(resume) else resume
         try:
-            ckpt = torch.load(ckpt_path, map_location="cpu", mmap=True, weights_only=False)
-            saved, done = ckpt["config"], ckpt["step"]
-        except Exception as e:  # missing, truncated or foreign
-            p.error(f"--resume {resume}: no readable checkpoint at {ckpt_path} ({type(e).__name__}); pass a run dir")
+            ckpt_path, ckpt = load_checkpoint(resume)
+        except ValueError as e:
+            p.error(f"--resume: {e}")
+        saved, done = ckpt["config"], ckpt["step"]
         values.update({k: v for k, v in saved.items() if k in (flags | set(constants)) - {"resume", "overwrite"}})
         values["out_dir"] = os.path.dirname(os.path.abspath(ckpt_path))
     for c in configs:  # a base config, then an ablation that changes two lines of it
@@ -83,10 +88,11 @@ def parse(p, ranges, constants, argv=None):
     p.set_defaults(**{k: v for k, v in values.items() if k in flags})
     args = p.parse_args(argv)
     vars(args).update({k: values[k] for k in constants}, resume=resume)
+    vars(args).update({k: user_path(getattr(args, k)) for k in PATHS if k != "config"})
     check(p, args, ranges, constants, nullable)
     if resume:
-        if os.path.abspath(args.out_dir) != os.path.dirname(os.path.abspath(ckpt_path)):
-            p.error(f"--resume continues a run in its own directory ({os.path.dirname(ckpt_path)}): drop --out-dir")
+        if os.path.abspath(args.out_dir) != values["out_dir"]:
+            p.error(f"--resume continues a run in its own directory ({values['out_dir']}): drop --out-dir")
         if args.overwrite:
             p.error("--resume continues a run and --overwrite replaces one: pass one of them")
         if args.steps <= done:
@@ -95,7 +101,7 @@ def parse(p, ranges, constants, argv=None):
             if k in saved and saved[k] != getattr(args, k):
                 p.error(f"--resume {resume}: the run was trained with --{k.replace('_', '-')} {saved[k]!r}, not "
                         f"{getattr(args, k)!r}; resuming would mix two runs: drop that flag or start a new --out-dir")
-    return args, ckpt_path
+    return args, ckpt
 
 
 KINDS = {bool: (lambda v: isinstance(v, bool), "True or False"), int: (lambda v: type(v) is int, "an integer"),
@@ -160,12 +166,22 @@ def claim(out_dir, resume, overwrite):
         lock.close()
         return f"--out-dir {out_dir} is in use by another running train.py: wait for it or pass another --out-dir"
     HELD.append(lock)
-    if is_run and overwrite:  # only what a run writes; a user's file there stays
-        for f in os.listdir(out_dir):
-            path = os.path.join(out_dir, f)
-            if f in OWN or f.startswith(("dcp-", ".hf.")):
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    for f in os.listdir(out_dir):  # what a kill mid-write left; with --overwrite the run's files (a user's stay)
+        if _own(f, temp_only=not (is_run and overwrite)):
+            remove(os.path.join(out_dir, f))
     return None
+
+def _own(name, temp_only=False):
+    """Whether a run writes `name`; temp_only: only what a write cut short leaves (*.tmp, hf.old, .hf.*)."""
+    temp = name.startswith(".hf.") or name == "hf.old" or name.endswith(".tmp") and (
+        name[:-4] in OWN or name.startswith("dcp-"))
+    return temp or not temp_only and (name in OWN or name.startswith("dcp-"))
+
+def remove(path):
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.remove(path)
 
 def write_json(path, obj):  # whole or not at all
     with open(path + ".tmp", "w") as f:
@@ -183,27 +199,27 @@ def read_jsonl(path):
                 pass
     return [r for r in rows if isinstance(r, dict)]
 
-def sigterm(sig, frame):  # a kill ends like Ctrl-C: in one line, with no half-written file
-    raise KeyboardInterrupt("SIGTERM")
+def exit_on_interrupt(where):
+    """From here on Ctrl-C or SIGTERM, at any moment, end the process in one line, `error: interrupted; <where>`
+    (a str, or a function giving it), exit code 130 / 143 as a shell reports them. The SystemExit it raises runs
+    every cleanup on its way out: a file being written is left whole or not at all."""
+    def stop(sig, frame):
+        for s in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the cleanup short
+            signal.signal(s, signal.SIG_IGN)
+        print(f"error: interrupted; {where() if callable(where) else where}", file=sys.stderr)
+        sys.exit(128 + sig)
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, stop)
 
-@contextmanager
-def interruptible(out_dir, steps):
-    """Ctrl-C or SIGTERM ends the run in one line that says where its last checkpoint is and how to go on;
-    files written whole or not at all stay as they were."""
-    signal.signal(signal.SIGTERM, sigterm)
+def last_checkpoint(out_dir, steps):
+    """Where an interrupted run's last checkpoint is and how to go on from it."""
     try:
-        yield
-    except KeyboardInterrupt as e:
-        ckpt = os.path.join(out_dir, "ckpt.pt")
-        try:
-            step = torch.load(ckpt, map_location="cpu", mmap=True, weights_only=False)["step"]
-            go_on = f"python train.py --resume {out_dir} continues" if step < steps else \
-                f"python eval.py --ckpt {out_dir} --export DIR exports it"
-            where = f"the last checkpoint is {ckpt} (step {step}): {go_on}"
-        except Exception:
-            where = f"no checkpoint was written; python train.py --out-dir {out_dir} --overwrite starts again"
-        print(f"error: interrupted; {where}", file=sys.stderr)
-        sys.exit(143 if str(e) == "SIGTERM" else 130)
+        step = load_checkpoint(out_dir)[1]["step"]
+    except ValueError:
+        return f"no checkpoint was written; python train.py --out-dir {out_dir} --overwrite starts again"
+    go_on = f"python train.py --resume {out_dir} continues" if step < steps else \
+        f"python eval.py --ckpt {out_dir} --export DIR exports it"
+    return f"the last checkpoint is {os.path.join(out_dir, 'ckpt.pt')} (step {step}): {go_on}"
 
 # -----------------------------------------------------------------------------
 # checkpoints
@@ -223,10 +239,29 @@ def save(state, path):
         return (f"could not write {path} ({e.strerror or e}); make room in {os.path.dirname(os.path.abspath(path))}"
                 "; the last good checkpoint there is kept")
 
+def load_checkpoint(path):
+    """A run dir or its ckpt.pt -> (path, checkpoint dict), or ValueError in one line. weights_only: tensors,
+    numbers, strings and plain containers, nothing else; a file holding more (a pickled object, which could run
+    code) is refused without running it."""
+    path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
+    if not os.path.isfile(path):
+        raise ValueError(f"no checkpoint at {path}; pass a train.py --out-dir or its ckpt.pt")
+    try:  # mmap: tensors are read when used (a zip file, as torch.save writes; a legacy pickle is read whole)
+        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except pickle.UnpicklingError as e:  # what weights_only refused: a GLOBAL module.name, or an opcode
+        held = re.search(r"GLOBAL (\S+)|(Unsupported operand \d+)", str(e))
+        raise ValueError(f"checkpoint {path} holds {held[1] or held[2] if held else 'an object'}, which torch.load"
+                         "(weights_only=True) refuses: not a checkpoint train.py wrote; nothing in it ran") from None
+    except Exception as e:  # truncated, or not a torch file
+        raise ValueError(f"checkpoint {path} is unreadable ({type(e).__name__}); pass another one") from None
+    if not isinstance(ckpt, dict) or not {"config", "step"} <= ckpt.keys():
+        raise ValueError(f"{path} is not a train.py checkpoint (no config and step in it); pass another one")
+    return path, ckpt
+
 def save_run(out_dir, step, config, policy, optimizer, scheduler, scaler, ref=None, rank=0, world=1):
     """The run's state after `step`, every rank's RNG and `ref` (when given) included -> None, or why it could
     not be written. A LoRA or FSDP2 policy saves its own part (scale.py: the adapters; DCP shards)."""
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}  # nothing here draws from numpy's
     state = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "step": step, "config": config,
              "ref": None if ref is None else ref.state_dict(), "rng": [rng] * world}
     if world > 1:
@@ -243,12 +278,12 @@ def save_run(out_dir, step, config, policy, optimizer, scheduler, scaler, ref=No
         scale.remove_old_dcp(out_dir, keep=state["dcp"])
     return failed
 
-def restore(path, policy, optimizer, scheduler, scaler, ref=None, rank=0):
-    """Load what save_run wrote into the run's objects and this rank's RNG -> the step to continue from."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+def restore(ckpt, out_dir, policy, optimizer, scheduler, scaler, ref=None, rank=0):
+    """Load what save_run wrote (load_checkpoint's dict) into the run's objects and this rank's RNG -> the step
+    to continue from."""
     if hasattr(policy, "unshard") or hasattr(policy, "peft_config"):
         import scale
-        scale.load_state(ckpt, os.path.dirname(path), policy, optimizer)
+        scale.load_state(ckpt, out_dir, policy, optimizer)
     else:
         policy.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -256,8 +291,8 @@ def restore(path, policy, optimizer, scheduler, scaler, ref=None, rank=0):
     scaler.load_state_dict(ckpt["scaler"])
     if ref is not None and ckpt.get("ref") is not None:
         ref.load_state_dict(ckpt["ref"])
-    rng = ckpt["rng"][rank]
-    torch.set_rng_state(rng["torch"]), random.setstate(rng["python"]), np.random.set_state(rng["numpy"])
+    torch.set_rng_state(ckpt["rng"][rank]["torch"])
+    random.setstate(ckpt["rng"][rank]["python"])
     return ckpt["step"]
 
 # -----------------------------------------------------------------------------
@@ -294,7 +329,8 @@ class MetricsLog:
 
     def close(self):
         self.file.close()
-        self.tracker[1]() if self.tracker is not None else None
+        if self.tracker is not None:
+            self.tracker[1]()
 
 def export_hf(model, tokenizer, path, dtype, adapter=False, state_dict=None):
     """Write `model` as a folder AutoModelForCausalLM.from_pretrained loads -> None, or a one-line reason it
@@ -327,10 +363,10 @@ def export_hf(model, tokenizer, path, dtype, adapter=False, state_dict=None):
             os.replace(path, old)
         os.replace(tmp, path)
         tmp = None
-        shutil.rmtree(old) if old else None
+        remove(old or "")
         return None
     except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True) if tmp else None
+        remove(tmp or "")
         if old and not os.path.exists(path) and os.path.exists(old):
             os.replace(old, path)  # put the previous export back
         if not isinstance(e, Exception):

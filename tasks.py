@@ -3,7 +3,8 @@ accuracy on a task); `TASKS` maps a name to a `Task`. To add one: a `load`, a sy
 - gsm8k: grade-school math (Cobbe et al. 2021, github.com/openai/grade-school-math).
 - arith: generated "What is 7 + 5?": SmolLM2-135M-Instruct often knows the sum but rarely writes the strict
   `#### N` line, so a 135M model shows learning on a CPU in minutes (README: results).
-- arith_steps: generated "What is 3 + 4 * 2 - 5?", a reward per line for process supervision (DeepSeekMath §4.1.3)."""
+- arith_steps: generated "What is 3 + 4 * 2 - 5?", a reward per line for process supervision (DeepSeekMath §4.1.3).
+- arith_tool: generated "What is 482 * 937?", with a calculator tool (tools.py); arith_mul: the same without it."""
 
 import hashlib
 import json
@@ -34,9 +35,21 @@ ARITH_SYSTEM_PROMPT = ("Answer the question. End with a final line: #### <number
                        "Example:\nWhat is 3 + 4?\n3 + 4 = 7\n#### 7")
 ARITH_STEPS_SYSTEM_PROMPT = ("Work it out one calculation a line, as: a op b = c. End with a final line: "
                              "#### <number>\nExample:\nWhat is 2 + 3 * 4?\n3 * 4 = 12\n2 + 12 = 14\n#### 14")
+MUL_SYSTEM_PROMPT = "Answer the question. End with a final line: #### <number>\nExample:\nWhat is 12 * 34?\n#### 408"
+TOOL_SYSTEM_PROMPT = "Answer the question. Use the calculator for arithmetic. End with a final line: #### <number>"
 
 def chat_prompt(system, example):
     return [{"role": "system", "content": system}, {"role": "user", "content": example["question"]}]
+
+def tool_prompt(example):  # one worked call as earlier turns (HF's tool-call format): else a 135M model rarely calls
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1234 * 56"}}}
+    return [{"role": "system", "content": TOOL_SYSTEM_PROMPT}, {"role": "user", "content": "What is 1234 * 56?"},
+            {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "69104"},
+            {"role": "assistant", "content": "#### 69104"}, {"role": "user", "content": example["question"]}]
+
+def calculator():  # a task's tools, as a function: tools.py is imported only when a task with tools runs
+    from tools import calculator
+    return [calculator]
 
 class DataError(ValueError):
     """A user-facing data problem; train.py/eval.py print its one-line message and exit."""
@@ -48,8 +61,11 @@ class Task(NamedTuple):
     reward_weights: dict      # name -> default weight (train.py --reward-weights overrides by name)
     score: Callable           # score(completion, example) -> dict for eval.py
     step_rewards: Callable | None = None  # (completion, example) -> [(char_end, reward), ...]: see step_positions
+    tools: Callable | None = None  # () -> the task's tools, plain functions (tools.py)
 
-def _check(split, ops="+", n=None):  # the loaders' checks -> n, by default 200 test / 10,000 train problems
+def _check(split, ops="+", n=None, data_dir=None):  # the generators' checks -> n, 200 test / 10,000 train by default
+    if data_dir:
+        raise DataError(f"--data-dir {data_dir}: this task generates its problems and reads no data (gsm8k does)")
     if split not in ("train", "test"):
         raise ValueError(f"unknown split {split!r}; valid splits: ['train', 'test']")
     if not ops or set(ops) - set("+-*"):
@@ -121,7 +137,7 @@ def _sample_split(space, split, n, rng):  # n distinct problems of `split` from 
 def load_arith(split, data_dir=None, n=None, digits=ARITH_DIGITS, ops=ARITH_OPS, seed=0):
     """n distinct problems {"question": "What is 7 + 5?", "answer": "12"}: operands of up to `digits` digits, operators
     from `ops`, for "-" a >= b; n is capped at the split's size; `seed` picks the problems, never the split."""
-    n = _check(split, ops, n)
+    n = _check(split, ops, n, data_dir)
     if digits < 1:
         raise ValueError(f"digits must be >= 1, got {digits}")
     rng, ops, hi = random.Random(seed), sorted(set(ops)), 10 ** digits - 1
@@ -145,7 +161,7 @@ def _evaluate(a, op1, b, op2, c):  # a op1 b op2 c with the usual precedence: `*
 def load_arith_steps(split, data_dir=None, n=None, ops=ARITH_OPS, seed=0):
     """n distinct problems {"question": "What is 3 + 4 * 2 - 5?", "answer": "6"}: three one-digit operands, two
     operators from `ops`, answers may be negative; 1,000 * len(ops)**2 problems split and n as in load_arith."""
-    n, ops = _check(split, ops, n), sorted(set(ops))
+    n, ops = _check(split, ops, n, data_dir), sorted(set(ops))
     space = [(a, o1, b, o2, c) for o1 in ops for o2 in ops for a in range(10) for b in range(10) for c in range(10)]
     return [{"question": "What is {} {} {} {} {}?".format(*p), "answer": str(_evaluate(*p))}
             for p in _sample_split(space, split, n, random.Random(seed))]
@@ -208,6 +224,10 @@ TASKS = {  # each task its own dicts: editing one task's weights leaves the othe
     "arith": Task(load_arith, partial(chat_prompt, ARITH_SYSTEM_PROMPT), dict(REWARDS), dict(WEIGHTS), score),
     "arith_steps": Task(load_arith_steps, partial(chat_prompt, ARITH_STEPS_SYSTEM_PROMPT), dict(REWARDS), dict(WEIGHTS),
                         score, arith_step_rewards),
+    "arith_tool": Task(partial(load_arith, digits=3, ops="*"), tool_prompt, dict(REWARDS), dict(WEIGHTS), score,
+                       tools=calculator),
+    "arith_mul": Task(partial(load_arith, digits=3, ops="*"), partial(chat_prompt, MUL_SYSTEM_PROMPT), dict(REWARDS),
+                      dict(WEIGHTS), score),
 }
 
 def pass_at_k(n, c, k):
@@ -217,9 +237,13 @@ def pass_at_k(n, c, k):
 
 @torch.no_grad()
 def evaluate(model, tokenizer, task, examples, max_new_tokens=256, batch_size=32, n=1, temperature=1.0,
-             seed=0, progress=True, dtype=None):
+             seed=0, progress=True, dtype=None, env=None):
     """Score `examples` -> (summary, one record per example); n=1 is greedy, n>1 samples n completions
-    each (mean accuracies, pass@k). dtype: sampling's compute dtype. progress: a bar on stderr."""
+    each (mean accuracies, pass@k). dtype: sampling's compute dtype. progress: a bar on stderr. A task with
+    tools runs them (env: a tools.ToolEnv, else one with its defaults): the rate of samples that called one too."""
+    if task.tools and env is None:
+        from tools import ToolEnv
+        env = ToolEnv(task.tools(), tokenizer)
     stops = stop_token_ids(tokenizer, model)
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     per_batch, records, correct = max(1, batch_size // n), [], []  # correct: how many of an example's n are right
@@ -227,7 +251,9 @@ def evaluate(model, tokenizer, task, examples, max_new_tokens=256, batch_size=32
         for i in range(0, len(examples), per_batch):
             batch = examples[i:i + per_batch]
             r = sample(model, tokenizer, [task.prompt(ex) for ex in batch], n, max_new_tokens, stops,
-                       temperature=temperature if n > 1 else 0.0, generator=generator, dtype=dtype)
+                       temperature=temperature if n > 1 else 0.0, generator=generator, dtype=dtype, env=env)
+            calls = r.tool_calls.view(len(batch), n).float().cpu()  # (B, n)
+            calls, called = calls.mean(1).tolist(), (calls > 0).float().mean(1).tolist()  # (B,) each: per sample
             for j, ex in enumerate(batch):
                 outs = r.completions[j * n:(j + 1) * n]
                 scores = [task.score(c, ex) for c in outs]
@@ -235,9 +261,11 @@ def evaluate(model, tokenizer, task, examples, max_new_tokens=256, batch_size=32
                 records.append({"question": ex["question"], "gold": ex["answer"], "completion": outs[0],
                                 "pred": scores[0]["pred"], "correct": scores[0]["strict"],
                                 **{k: sum(s[k] for s in scores) / n for k in ("strict", "flexible", "format")},
-                                **({"completions": outs} if n > 1 else {})})
+                                **({"completions": outs} if n > 1 else {}),
+                                **({"tool_calls": calls[j], "called": called[j]} if env is not None else {})})
             bar.update(len(batch))
     m, names = max(len(records), 1), {"strict": "strict_acc", "flexible": "flexible_acc", "format": "format_rate"}
+    names.update({"called": "tool_call_rate", "tool_calls": "tool_calls"} if env is not None else {})
     summary = {"n_examples": len(records), **{name: sum(r[k] for r in records) / m for k, name in names.items()}}
     if n > 1:
         ks = sorted({2 ** j for j in range(n.bit_length())} | {n})  # 1, 2, 4, ... up to n, and n

@@ -4,15 +4,17 @@ each -> rewards -> group advantages -> reference log-probs -> mu optimizer steps
 where the defaults depart from the paper. `torchrun --nproc_per_node=N train.py ...` runs over N processes.
 """
 
-import argparse, hashlib, importlib.util, math, os, sys, time  # noqa: E401
+import argparse, copy, dataclasses, hashlib, importlib.util, math, os, sys, time  # noqa: E401
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 import grpo, rollout, run  # noqa: E401
-from models import DTYPES, ModelError, check_dtype, load_model, load_tokenizer, resolve_device, resolve_dtype
+from models import DTYPES, ModelError, check_dtype, load_model, load_tokenizer, native_bf16, resolve_device, \
+    resolve_dtype
 from rewards import RewardError, combine_rewards, overlong_reward, parse_weights
 from tasks import TASKS, DataError, evaluate, step_positions
 
@@ -27,12 +29,13 @@ g.add_argument("--data-dir", default=None, help="local GSM8K dir (else $GSM8K_DI
 g.add_argument("--model", default="smollm2-135m", help="hub id, local HF dir, .gguf file or smollm2-135m")
 g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:1 | mps")
 g.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="compute dtype; auto: bf16 where native")
+g.add_argument("--ref-device", default=None, help="the reference model's device, e.g. cpu to offload it; --device")
 g.add_argument("--gradient-checkpointing", action="store_true", help="recompute activations in backward")
 g = p.add_argument_group("rollout and optimisation")
 g.add_argument("--group-size", type=int, default=8, help="G: completions per prompt")
 g.add_argument("--prompts-per-step", type=int, default=2, help="prompts per step, over all ranks")
 g.add_argument("--micro-batch", type=int, default=8, help="completions per forward/backward")
-g.add_argument("--max-new-tokens", type=int, default=256, help="completion budget")
+g.add_argument("--max-new-tokens", type=int, default=256, help="completion budget (tools' replies included)")
 g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
 g.add_argument("--dynamic-sampling", action="store_true", help="DAPO: replace groups of equal rewards by new ones")
 g.add_argument("--steps", type=int, default=100, help="generation batches")
@@ -41,7 +44,7 @@ g.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate")
 g = p.add_argument_group("the GRPO objective (grpo.py)")
 g.add_argument("--beta", type=float, default=0.04, help="KL coefficient; 0 = no reference model")
 g.add_argument("--kl-estimator", default="k3_clamped", choices=grpo.KL_ESTIMATORS, help="full: exact, from logits")
-g.add_argument("--loss-type", default="grpo", choices=grpo.LOSS_TYPES, help="aggregation over tokens")
+g.add_argument("--loss-type", default="grpo", choices=grpo.LOSS_TYPES, help="the surrogate and its aggregation")
 g.add_argument("--scale-rewards", default="group", choices=grpo.SCALES, help="none = Dr. GRPO")
 g.add_argument("--eps", type=float, default=0.2, help="clip epsilon (low)")
 g.add_argument("--eps-high", type=float, default=None, help="clip-higher (DAPO); None = --eps")
@@ -61,7 +64,6 @@ g.add_argument("--overwrite", action="store_true", help="replace the run in --ou
 g.add_argument("--resume", default=None, help="a run's --out-dir (or its ckpt.pt) to continue")
 g.add_argument("--eval-every", type=int, default=0, help="steps between evals on the test split; 0 = at the end")
 g.add_argument("--eval-n", type=int, default=200, help="test examples per eval (the first N); 0 = no eval")
-g.add_argument("--log-to", default="none", choices=["none", "tensorboard", "wandb"], help="besides metrics.jsonl")
 g = p.add_argument_group("scale (scale.py)")
 g.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (peft); 0 = full fine-tuning")
 g.add_argument("--fsdp", action="store_true", help="under torchrun: shard weights, grads, AdamW states (FSDP2)")
@@ -71,12 +73,17 @@ CONSTANTS = {  # knobs few would sweep: (default, range or choices); set in a co
     "is_cap": (2.0, "> 0"), "max_resample": (4, ">= 0"),  # --is-mode's cap (TIS: 2); --dynamic-sampling's extra
     "ref_sync_every": (0, ">= 0"),  # every N steps the reference becomes the policy (§4.2); 0 = never
     "save_every": (50, ">= 0"), "log_completions": (10, ">= 0"),  # checkpoints (+ one at the end); samples shown
-    "export": ("model", ("model", "adapter", "none"))}  # OUT_DIR/hf: a HF model (LoRA merged) or the adapters
+    "export": ("model", ("model", "adapter", "none")),  # OUT_DIR/hf: a HF model (LoRA merged) or the adapters
+    "log_to": ("none", ("none", "tensorboard", "wandb")),  # a tracker besides metrics.jsonl
+    "cispo_cap": (5.0, ">= 1"), "sapo_temperature_pos": (1.0, "> 0"), "sapo_temperature_neg": (1.05, "> 0"),
+    "max_tool_calls": (4, ">= 1")}  # a task with tools: a row's next call ends it (tools.py)
 RANGES = {"group_size": ">= 2", "prompts_per_step": ">= 1", "micro_batch": ">= 1", "max_new_tokens": ">= 1",
           "temperature": "> 0", "steps": ">= 1", "mu": ">= 1", "lr": "> 0", "beta": ">= 0", "eps": "[0, 1)",
           "eps_high": ">= 0", "delta": "> 1", "entropy_coef": ">= 0", "top_entropy_quantile": "(0, 1]",
-          "overlong_buffer": ">= 0", "seed": ">= 0", "eval_every": ">= 0", "eval_n": ">= 0", "lora_rank": ">= 0"}
-args, ckpt_path = run.parse(p, RANGES, CONSTANTS)
+          "overlong_buffer": ">= 0", "seed": "[0, 9e18]", "eval_every": ">= 0", "eval_n": ">= 0", "lora_rank": ">= 0"}
+defaults = {**vars(p.parse_args([])), **{k: d for k, (d, _) in CONSTANTS.items()}}  # what a value is, not given
+args, ckpt = run.parse(p, RANGES, CONSTANTS)
+run.exit_on_interrupt(partial(run.last_checkpoint, args.out_dir, args.steps))  # Ctrl-C / SIGTERM: one line
 
 # -----------------------------------------------------------------------------
 # setup: processes, the checks that need more than one flag, device and dtype, the out dir
@@ -92,57 +99,78 @@ for bad, why in [  # one line each, before anything loads
         (args.supervision == "process" and not task.step_rewards,
          f"--supervision process needs per-step rewards; task {args.task} has none"),
         (args.fsdp and not ddp, "--fsdp shards over torchrun's processes: torchrun --nproc_per_node N train.py --fsdp"),
-        (args.fsdp and (args.lora_rank or args.ref_sync_every or args.dtype == "float16"),
-         "--fsdp takes neither --lora-rank, ref_sync_every nor --dtype float16 (use bfloat16)"),
-        (args.lora_rank and args.ref_sync_every, "--lora-rank: the reference is the base; it takes no ref_sync_every"),
+        (args.fsdp and (args.lora_rank or args.ref_sync_every or args.ref_device or args.dtype == "float16"),
+         "--fsdp takes neither --lora-rank, ref_sync_every, --ref-device nor --dtype float16 (use bfloat16)"),
+        (args.lora_rank and (args.ref_sync_every or args.ref_device),
+         "--lora-rank: the reference is the policy's base with its adapters off; no ref_sync_every, no --ref-device"),
         (args.export == "adapter" and not args.lora_rank, "export = 'adapter' needs --lora-rank"),
         (args.lora_rank and not importlib.util.find_spec("peft"), "--lora-rank needs peft: pip install peft"),
-        (args.log_to != "none" and not importlib.util.find_spec(args.log_to), f"--log-to: pip install {args.log_to}")]:
+        (args.log_to != "none" and not importlib.util.find_spec(args.log_to), f"log_to: pip install {args.log_to}")]:
     if bad:
         p.error(why)
+given = {k for k, v in vars(args).items() if v != defaults.get(k, v)}  # set by a config file or a flag
+for names, why in [(("kl_estimator", "ref_device", "ref_sync_every"), args.beta == 0 and "--beta 0: no reference"),
+                   (("cispo_cap",), args.loss_type != "cispo" and "not --loss-type cispo"),
+                   (("sapo_temperature_pos", "sapo_temperature_neg"), args.loss_type != "sapo" and "not sapo"),
+                   (("is_cap",), args.is_mode == "none" and "--is-mode none"),
+                   (("max_resample",), not args.dynamic_sampling and "no --dynamic-sampling"),
+                   (("eval_every",), args.eval_n == 0 and "--eval-n 0: no evals"),
+                   (("max_tool_calls",), not task.tools and f"task {args.task} has no tools")]:
+    for name in sorted(given.intersection(names)) if why and master else []:
+        print(f"note: {name} has no effect in this run ({why})")
 reward_fns, weights = dict(task.reward_fns), dict(task.reward_weights)
 if args.overlong_buffer:  # DAPO eq. 13 beside the task's rewards (weight 1 unless --reward-weights says)
     reward_fns["overlong"], weights["overlong"] = overlong_reward(args.max_new_tokens, args.overlong_buffer), 1.0
 try:
-    obj = grpo.Objective(args.beta, args.kl_estimator, args.loss_type, args.eps, args.eps_high, args.delta,
-                         args.importance_level, args.entropy_coef, args.top_entropy_quantile, args.max_new_tokens)
+    obj = grpo.Objective(**{f.name: getattr(args, f.name) for f in dataclasses.fields(grpo.Objective)
+                            if f.name != "max_len"}, max_len=args.max_new_tokens)
     weights.update(parse_weights(args.reward_weights, reward_fns))
     device = resolve_device(args.device, int(os.environ["LOCAL_RANK"]) if ddp else None)
+    ref_device = resolve_device(args.ref_device) if args.ref_device else device
     dtype, note = resolve_dtype(args.dtype, device)
     check_dtype(device, dtype)
-except ValueError as e:  # ModelError too
+    tokenizer = load_tokenizer(args.model)  # the model, data and out dir are checked before anything is created
+    train_set = task.load("train", data_dir=args.data_dir)
+    test_set = task.load("test", data_dir=args.data_dir)[:args.eval_n] if master and args.eval_n else []
+except (ValueError, ModelError, DataError) as e:
     p.error(str(e))
 args.dtype = str(dtype).removeprefix("torch.")  # run.json records what ran: a resume keeps it
+# a reference on another device computes in --dtype where that is native there, else in fp32
+ref_dtype = dtype if ref_device == device or dtype == torch.float32 or native_bf16(ref_device) else torch.float32
 if master and (problem := run.claim(args.out_dir, args.resume, args.overwrite)):  # else locked until the end
     p.error(problem)
-print(note) if note and master else None
+for line in [note, ref_dtype != dtype and f"note: the reference on {ref_device} computes in fp32"] if master else []:
+    if line:
+        print(line)
 if ddp:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     dist.barrier()  # rank 0 has made the out dir
 if args.fsdp or args.lora_rank or ddp:
     import scale
-gathered = scale.gathered if args.fsdp else lambda m: nullcontext()  # --fsdp: sampling needs whole weights
-all_reduce = scale.all_reduce if ddp else lambda x, op="mean": x  # mean / max / min over ranks
+gathered = scale.gathered if args.fsdp else nullcontext  # --fsdp: sampling needs whole weights
+env = None
+if task.tools:  # tools.py: a row that calls a tool is fed its reply and decodes on
+    import tools
+    env = tools.ToolEnv(task.tools(), tokenizer, args.max_tool_calls)
 torch.manual_seed(args.seed + rank)
 autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+ref_autocast = torch.autocast(ref_device.type, dtype=ref_dtype, enabled=ref_dtype != torch.float32)
 
 # -----------------------------------------------------------------------------
-# models and data
+# models
 try:
-    tokenizer = load_tokenizer(args.model)
     home = torch.device("cpu") if args.fsdp else device  # --fsdp: each rank moves only its shards to device
     # fp32 master weights, which sampling reads too (LoRA: the frozen base's matmul weights in dtype)
     policy = load_model(args.model, home, torch.float32, matmul_dtype=dtype if args.lora_rank else None)
     if args.lora_rank:  # the same adapters on every rank; the reference is the base, adapters off
         policy = scale.add_lora(policy, args.lora_rank, seed=args.seed)
     # the reference: matmul weights stored as autocast casts them, so at step 0 the KL is exactly 0
-    ref = None if args.beta == 0 else policy if args.lora_rank else \
-        load_model(args.model, home, dtype if args.fsdp else torch.float32, trainable=False, matmul_dtype=dtype)
+    ref = None if args.beta == 0 else policy if args.lora_rank else load_model(
+        args.model, home if args.fsdp else ref_device, dtype if args.fsdp else torch.float32, trainable=False,
+        matmul_dtype=ref_dtype)
     for m in [policy] + ([ref] if ref is not None else []) if args.fsdp else []:
         scale.shard(m, device, dtype)  # each decoder layer a unit, the root the rest (scale.py)
-    train_set = task.load("train", data_dir=args.data_dir)
-    test_set = task.load("test", data_dir=args.data_dir)[:args.eval_n] if master and args.eval_n else []
-except (ModelError, DataError) as e:
+except ModelError as e:
     p.error(str(e))
 ref_off = policy.disable_adapter if args.lora_rank else nullcontext  # runs the LoRA policy as the reference
 context = getattr(policy.config, "max_position_embeddings", None) or 10**9
@@ -156,27 +184,42 @@ if args.gradient_checkpointing:
     policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 policy.train(args.gradient_checkpointing)  # eval mode, so no dropout (as TRL), except for HF's checkpointing
 full_kl = args.kl_estimator == "full" and ref is not None
+ref_head = ref.get_output_embeddings() if full_kl else None  # the full KL's: where the policy's hidden states are
+if full_kl and ref_device != device:
+    ref_head = copy.deepcopy(ref_head).to(device)
 try:  # the log-prob passes run each group's prompt once, through the KV cache, where a probe finds that exact
-    why = rollout.sharing_problem(policy, dtype) or (ref not in (None, policy) and rollout.sharing_problem(ref, dtype))
+    why = rollout.sharing_problem(policy, dtype) or ref not in (None, policy) and rollout.sharing_problem(ref,
+                                                                                                      ref_dtype)
 except ValueError as e:  # an edit the log-prob pass would not run: a hook on the whole model, ...
     p.error(str(e))
 share = not why
 params = [q for q in policy.parameters() if q.requires_grad]
 optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay,
                               fused=device.type in ("cpu", "cuda"))  # one kernel for all tensors
-cosine = lambda u: min(1, max(0, u - args.warmup_steps) / max(1, args.steps * args.mu - 1 - args.warmup_steps))
-scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda u: min(1, (u + 1) / (args.warmup_steps + 1)) * (
-    1 if args.lr_schedule == "constant" else 0.1 + 0.45 * (1 + math.cos(math.pi * cosine(u)))))  # warmup; to 10%
+
+def lr_factor(u):  # a linear warmup, then constant or a cosine decay to 10% of --lr at the last update
+    warm, T = min(1, (u + 1) / (args.warmup_steps + 1)), max(1, args.steps * args.mu - 1 - args.warmup_steps)
+    return warm if args.lr_schedule == "constant" else warm * (0.55 + 0.45 * math.cos(math.pi * min(1, max(
+        0, u - args.warmup_steps) / T)))
+
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 needs loss scaling
 saved_ref = ref if args.ref_sync_every else None  # the reference moves: checkpoints keep it
-start_step = run.restore(ckpt_path, policy, optimizer, scheduler, scaler, saved_ref, rank) if ckpt_path else 0
+start_step = run.restore(ckpt, args.out_dir, policy, optimizer, scheduler, scaler, saved_ref, rank) if ckpt else 0
 if master:  # run.json, the resolved flags: the marker that out_dir holds a run (--resume reads ckpt.pt's)
     print(f"prompt sharing off: {why}; the log-prob passes run whole rows" if why else "prompt sharing: on")
     run.write_json(os.path.join(args.out_dir, "run.json"), {**vars(args), "eps_high": obj.eps_high})
 
 # -----------------------------------------------------------------------------
 # helpers
-seed_of = lambda *parts: int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "little")
+def seed_of(*parts):
+    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "little")
+
+def all_reduce(x, op="mean"):  # mean / max / min over ranks
+    return scale.all_reduce(x, op) if ddp else x
+
+def reduce_op(name):  # how a metric is summarised over micro-batches and ranks
+    return "max" if name.endswith("_max") else "min" if name.endswith("_min") else "mean"
 
 def collect(step):
     """This rank's batch -> (Rollout, examples, rewards (N,), keep (N,) bool, stats). A fixed shuffle per epoch and a
@@ -192,7 +235,7 @@ def collect(step):
             args.seed, step, attempt, i)) for i in slots]
         with gathered(policy):
             r = rollout.sample(policy, tokenizer, [task.prompt(e) for e in exs], G, args.max_new_tokens, stops,
-                               args.temperature, args.top_p, gens, dtype, max_prompt)
+                               args.temperature, args.top_p, gens, dtype, max_prompt, env)
         fields = {f: [e[f] for e in exs for _ in range(G)] for f in exs[0]}  # each example's fields, G times
         try:
             total, per_fn = combine_rewards(reward_fns, weights, r.completions, **fields,
@@ -221,9 +264,9 @@ def logprob_passes(r):
     old_logp, ref_h = torch.zeros(r.completion_ids.shape, device=device) if args.mu > 1 else None, []
     with torch.no_grad():
         for rows, ids, mask, c in rollout.micro_batches(r, args.micro_batch):
-            with ref_off(), autocast:
+            with ref_off(), ref_autocast:  # on the reference's device; only the results travel
                 if full_kl:
-                    ref_h.append(rollout.completion_hidden(ref, ids, mask, c, share))
+                    ref_h.append(rollout.completion_hidden(ref, ids, mask, c, share).to(device))
                 elif ref is not None:
                     ref_logp[rows, :c] = rollout.token_logprobs(ref, ids, mask, c, args.temperature, share=share)[0]
             if old_logp is not None:
@@ -234,13 +277,17 @@ def logprob_passes(r):
 def update(losses, step):
     """Average over ranks, clip, step -> (grad norm, lr used); a non-finite loss or gradient skips it on all ranks."""
     global bad_steps
-    scale.average_gradients(params, world) if ddp and not args.fsdp else None  # FSDP reduce-scatters by itself
+    if ddp and not args.fsdp:  # FSDP reduce-scatters by itself
+        scale.average_gradients(params, world)
     scaler.unscale_(optimizer)
     norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip or math.inf)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
     # fp16 overflows are the scaler's business (it skips and lowers its scale); anything else non-finite is ours
     finite = all_reduce(torch.isfinite(sum(losses)).float(), "min") > 0 and (scaler.is_enabled() or norm.isfinite())
-    scaler.step(optimizer) if finite else tqdm.write(f"warning: step {step + 1}: non-finite loss or gradient, skipped")
+    if finite:
+        scaler.step(optimizer)
+    else:
+        tqdm.write(f"warning: step {step + 1}: non-finite loss or gradient, skipped")
     bad_steps = 0 if finite else bad_steps + 1
     if bad_steps >= 5:
         sys.exit("error: 5 non-finite updates in a row; lower --lr or use --dtype bfloat16/float32")
@@ -253,7 +300,7 @@ def update(losses, step):
 def run_eval(step):
     with gathered(policy):  # --fsdp: every rank gathers the weights, rank 0 evaluates
         if master and test_set:
-            summary, _ = evaluate(policy, tokenizer, task, test_set, args.max_new_tokens, dtype=dtype)
+            summary, _ = evaluate(policy, tokenizer, task, test_set, args.max_new_tokens, dtype=dtype, env=env)
             tqdm.write(f"eval step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in summary.items()))
             log.write({"step": step, **{f"eval/{k}": v for k, v in summary.items()}})
 
@@ -261,90 +308,96 @@ def run_eval(step):
 # the loop
 log = run.MetricsLog(args.out_dir, args.log_to, vars(args), start_step) if master else None
 bad_steps, save_failed, export_failed = 0, None, None
-with run.interruptible(args.out_dir, args.steps):
-    if start_step == 0 and args.eval_every:
-        run_eval(0)
-    for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not master):
-        t0 = time.time()
-        r, examples, rewards, keep, row = collect(step)  # 1. G completions per prompt and their rewards
-        rewards, keep, lengths = rewards.to(device), keep.to(device), r.completion_mask.sum(1)  # (N,) each
-        t1, C = time.time(), r.sample_logp.shape[1]
-        # 2. advantages: groups never span ranks, but the "batch" scale needs every rank's rewards
-        all_rewards = scale.all_gather(rewards) if ddp else rewards  # (world*N,)
-        adv, frac_zero = grpo.group_advantages(all_rewards, G, args.scale_rewards)
-        adv = adv[rank * N:(rank + 1) * N, None]  # (N, 1)
-        if args.supervision == "process":  # per-token advantages (N, C) from the task's step rewards (§4.1.3)
-            ends, values, smask = step_positions(task.step_rewards, tokenizer, r.completion_ids,
-                                                 lengths - (~r.truncated).long(), r.completions, examples, G)
-            adv, row["reward/step"] = grpo.process_advantages(values, ends, smask, G, C), values[smask].mean()
-            adv = adv.to(device)
-        loss_mask = r.completion_mask * keep[:, None] * (~r.truncated[:, None] if args.mask_truncated else 1)  # (N, C)
-        num_tokens = all_reduce(loss_mask.sum().float()).clamp(min=1)  # per-rank shares of the batch's counts
-        num_sequences = all_reduce(keep.sum().float())
-        ref_logp, ref_h, old_logp = logprob_passes(r)  # 3. the reference's (and, mu > 1, the old policy's)
-        t2 = time.time()
-        # 4. mu optimizer steps on this batch, each accumulating gradients over micro-batches
-        stats, first_logp, skip = {}, torch.zeros(N, C, device=device), num_sequences.item() == 0
-        for it in range(0 if skip else args.mu):  # skip: no group with a reward spread, nothing to learn
-            for j, (rows, ids, mask, c) in enumerate(rollout.micro_batches(r, args.micro_batch)):
-                kl_ref = (ref.get_output_embeddings(), ref_h[j]) if full_kl else None  # the full KL's reference
-                with autocast:  # entropy is always logged; it enters the loss only through --entropy-* flags
-                    logp, entropy, kl = rollout.token_logprobs(policy, ids, mask, c, args.temperature, True, kl_ref,
-                                                               share)
-                m, old = loss_mask[rows, :c], None if old_logp is None else old_logp[rows, :c]
-                # the sampler's numerics differ from the trainer's: reweight the policy term (truncated IS)
-                w, w_stats = grpo.behaviour_weights(logp.detach() if old is None else old, r.sample_logp[rows, :c], m,
-                                                    args.is_mode, args.is_cap)
-                loss, metrics = grpo.grpo_loss(logp, old, None if ref_logp is None else ref_logp[rows, :c],
-                                               adv[rows, :c].expand(-1, c), m, obj, entropy=entropy, kl=kl,
-                                               behaviour_weights=w, num_sequences=num_sequences, num_tokens=num_tokens)
-                scaler.scale(loss).backward()
-                if it == 0:
-                    first_logp[rows, :c], metrics["is_capped"] = logp.detach(), w_stats["is_capped"]
-                for k, v in {**metrics, "loss": loss.detach()}.items():
-                    stats.setdefault(k, []).append(v.float())
-            grad_norm, lr = update(stats["loss"][-(N // args.micro_batch):], step)
-        if skip:
-            grad_norm, lr = torch.tensor(0.0), optimizer.param_groups[0]["lr"]
-            tqdm.write(f"step {step + 1}: skipped, no group with a reward spread after {args.max_resample} resamples")
-        if ref is not None and args.ref_sync_every and (step + 1) % args.ref_sync_every == 0:
-            ref.load_state_dict(policy.state_dict())  # iterative GRPO (DeepSeekMath §4.2): ref := policy
-        t3 = time.time()
-        # 5. metrics: per-rank values averaged over ranks (max / min for *_max / *_min); rank 0 writes
-        op = lambda k: "max" if k.endswith("_max") else "min" if k.endswith("_min") else "mean"
-        if not skip:  # |sampling log-prob - training log-prob| of the first pass, over the whole batch
-            row.update(grpo.behaviour_weights(first_logp, r.sample_logp, r.completion_mask, "none")[1])
-        row.update({k: max(v) if op(k) == "max" else min(v) if op(k) == "min" else sum(v) / len(v)
-                    for k, v in stats.items()}, loss=sum(stats.get("loss", [0])) / args.mu, reward=rewards.mean(),
-                   reward_std=all_rewards.std(), frac_zero_std=frac_zero, completion_len=lengths.float().mean(),
-                   completion_len_max=lengths.max().float(), truncated=r.truncated.float().mean(), grad_norm=grad_norm,
-                   prompt_cut=r.prompt_cut.float().mean(), prompt_len=r.prompt_mask.sum(1).float().mean(),
-                   skipped=float(skip), gen_tok_s=lengths.sum().float() * world / (t1 - t0))
-        row = {k: all_reduce(torch.as_tensor(v, dtype=torch.float32, device=device).detach(), op(k)).item()
-               for k, v in row.items()}
-        row.update(step=step + 1, lr=lr, t_generate=t1 - t0, t_reference=t2 - t1, t_train=t3 - t2, t_step=t3 - t0)
-        if master:
-            log.write(row)
-            tqdm.write(f"step {step + 1}: reward {row['reward']:.3f} loss {row['loss']:.4f} kl {row.get('kl', 0):.4f} "
-                       f"len {row['completion_len']:.0f} gen {t1 - t0:.1f}s ref {t2 - t1:.1f}s train {t3 - t2:.1f}s")
-            if args.log_completions and (step + 1) % args.log_completions == 0:
-                tqdm.write(f"--- reward {rewards[0]:.2f}, gold {examples[0]['answer']}:\n{r.completions[0]}\n---")
-        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            run_eval(step + 1)
-        if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-            save_failed = run.save_run(args.out_dir, step + 1, vars(args), policy, optimizer, scheduler, scaler,
-                                       saved_ref, rank, world)
-            tqdm.write(f"warning: step {step + 1}: {save_failed}") if save_failed else None
+if start_step == 0 and args.eval_every:
+    run_eval(0)
+for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not master):
+    t0 = time.time()
+    r, examples, rewards, keep, row = collect(step)  # 1. G completions per prompt and their rewards
+    rewards, keep, lengths = rewards.to(device), keep.to(device), r.completion_mask.sum(1)  # (N,) each
+    t1, C = time.time(), r.sample_logp.shape[1]
+    # 2. advantages: groups never span ranks, but the "batch" scale needs every rank's rewards
+    all_rewards = scale.all_gather(rewards) if ddp else rewards  # (world*N,)
+    adv, frac_zero = grpo.group_advantages(all_rewards, G, args.scale_rewards)
+    adv = adv[rank * N:(rank + 1) * N, None]  # (N, 1)
+    if args.supervision == "process":  # per-token advantages (N, C) from the task's step rewards (§4.1.3)
+        ends, values, smask = step_positions(task.step_rewards, tokenizer, r.completion_ids,
+                                             lengths - (~r.truncated).long(), r.completions, examples, G)
+        adv, row["reward/step"] = grpo.process_advantages(values, ends, smask, G, C), values[smask].mean()
+        adv = adv.to(device)
+    loss_mask = r.completion_mask * keep[:, None] * (~r.truncated[:, None] if args.mask_truncated else 1)  # (N, C)
+    num_tokens = all_reduce(loss_mask.sum().float()).clamp(min=1)  # per-rank shares of the batch's counts
+    num_sequences = all_reduce(keep.sum().float())
+    ref_logp, ref_h, old_logp = logprob_passes(r)  # 3. the reference's (and, mu > 1, the old policy's)
+    t2 = time.time()
+    # 4. mu optimizer steps on this batch, each accumulating gradients over micro-batches
+    stats, first_logp, skip = {}, torch.zeros(N, C, device=device), num_sequences.item() == 0
+    for it in range(0 if skip else args.mu):  # skip: no group with a reward spread, nothing to learn
+        for j, (rows, ids, mask, c) in enumerate(rollout.micro_batches(r, args.micro_batch)):
+            kl_ref = (ref_head, ref_h[j]) if full_kl else None  # the full KL's reference
+            with autocast:  # entropy is always logged; it enters the loss only through --entropy-* flags
+                logp, entropy, kl = rollout.token_logprobs(policy, ids, mask, c, args.temperature, True, kl_ref,
+                                                           share)
+            m, old = loss_mask[rows, :c], None if old_logp is None else old_logp[rows, :c]
+            # the sampler's numerics differ from the trainer's: reweight the policy term (truncated IS)
+            w, w_stats = grpo.behaviour_weights(logp.detach() if old is None else old, r.sample_logp[rows, :c], m,
+                                                args.is_mode, args.is_cap)
+            loss, metrics = grpo.grpo_loss(logp, old, None if ref_logp is None else ref_logp[rows, :c],
+                                           adv[rows, :c].expand(-1, c), m, obj, entropy=entropy, kl=kl,
+                                           behaviour_weights=w, num_sequences=num_sequences, num_tokens=num_tokens)
+            scaler.scale(loss).backward()
+            if it == 0:
+                first_logp[rows, :c], metrics["is_capped"] = logp.detach(), w_stats["is_capped"]
+            for k, v in {**metrics, "loss": loss.detach()}.items():
+                stats.setdefault(k, []).append(v.float())
+        grad_norm, lr = update(stats["loss"][-(N // args.micro_batch):], step)
+    if skip:
+        grad_norm, lr = torch.tensor(0.0), optimizer.param_groups[0]["lr"]
+        tqdm.write(f"step {step + 1}: skipped, no group with a reward spread after {args.max_resample} resamples")
+    if ref is not None and args.ref_sync_every and (step + 1) % args.ref_sync_every == 0:
+        ref.load_state_dict(policy.state_dict())  # iterative GRPO (DeepSeekMath §4.2): ref := policy
+        if full_kl:  # and the full KL's copy of its head
+            ref_head.load_state_dict(policy.get_output_embeddings().state_dict())
+    t3 = time.time()
+    # 5. metrics: per-rank values averaged over ranks (max / min for *_max / *_min); rank 0 writes
+    if not skip:  # |sampling log-prob - training log-prob| of the first pass, over the whole batch
+        row.update(grpo.behaviour_weights(first_logp, r.sample_logp, r.completion_mask, "none")[1])
+    row.update({k: max(v) if reduce_op(k) == "max" else min(v) if reduce_op(k) == "min" else sum(v) / len(v)
+                for k, v in stats.items()}, loss=sum(stats.get("loss", [0])) / args.mu, reward=rewards.mean(),
+               reward_std=all_rewards.std(), frac_zero_std=frac_zero, completion_len=lengths.float().mean(),
+               completion_len_max=lengths.max().float(), truncated=r.truncated.float().mean(), grad_norm=grad_norm,
+               prompt_cut=r.prompt_cut.float().mean(), prompt_len=r.prompt_mask.sum(1).float().mean(),
+               skipped=float(skip), gen_tok_s=lengths.sum().float() * world / (t1 - t0))
+    if env is not None:  # per row: tool calls, the ones that got an error, tokens of the tools' replies
+        row.update(tool_calls=r.tool_calls.float().mean(), tool_errors=r.tool_errors.float().mean(),
+                   env_tokens=r.env_mask.sum(1).float().mean())
+    row = {k: all_reduce(torch.as_tensor(v, dtype=torch.float32, device=device).detach(), reduce_op(k)).item()
+           for k, v in row.items()}
+    row.update(step=step + 1, lr=lr, t_generate=t1 - t0, t_reference=t2 - t1, t_train=t3 - t2, t_step=t3 - t0)
+    if master:
+        log.write(row)
+        tqdm.write(f"step {step + 1}: reward {row['reward']:.3f} loss {row['loss']:.4f} kl {row.get('kl', 0):.4f} "
+                   f"len {row['completion_len']:.0f} gen {t1 - t0:.1f}s ref {t2 - t1:.1f}s train {t3 - t2:.1f}s")
+        if args.log_completions and (step + 1) % args.log_completions == 0:
+            tqdm.write(f"--- reward {rewards[0]:.2f}, gold {examples[0]['answer']}:\n{r.completions[0]}\n---")
+    if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+        run_eval(step + 1)
+    if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
+        save_failed = run.save_run(args.out_dir, step + 1, vars(args), policy, optimizer, scheduler, scaler,
+                                   saved_ref, rank, world)
+        if save_failed:
+            tqdm.write(f"warning: step {step + 1}: {save_failed}")
 
-    # -----------------------------------------------------------------------------
-    # the end: a final eval, then the export (last: a LoRA policy is merged into its base in place)
-    run_eval(args.steps)
-    state = scale.full_state_dict(policy) if args.fsdp and args.export != "none" else None  # every rank gathers
-    if master and args.export != "none":
-        export_failed = run.export_hf(policy, tokenizer, os.path.join(args.out_dir, "hf"), dtype,
-                                      args.export == "adapter", state)
-        print(f"warning: {export_failed}" if export_failed else f"exported ({args.export}) to {args.out_dir}/hf")
-log.close() if master else None
-dist.destroy_process_group() if ddp else None
+# -----------------------------------------------------------------------------
+# the end: a final eval, then the export (last: a LoRA policy is merged into its base in place)
+run_eval(args.steps)
+state = scale.full_state_dict(policy) if args.fsdp and args.export != "none" else None  # every rank gathers
+if master and args.export != "none":
+    export_failed = run.export_hf(policy, tokenizer, os.path.join(args.out_dir, "hf"), dtype,
+                                  args.export == "adapter", state)
+    print(f"warning: {export_failed}" if export_failed else f"exported ({args.export}) to {args.out_dir}/hf")
+if master:
+    log.close()
+if ddp:
+    dist.destroy_process_group()
 if save_failed or export_failed:
     sys.exit(f"error: {'the last checkpoint was not written: ' + save_failed if save_failed else export_failed}")

@@ -147,7 +147,7 @@ def test_cli_ckpt_evaluates_the_trained_weights(trained, model_dir, capsys):
     assert len(open(out).read().splitlines()) == 3
     assert out in capsys.readouterr().out
     model, _, cfg = load_checkpoint_model(trained, CPU, torch.float32)
-    saved = torch.load(os.path.join(trained, "ckpt.pt"), weights_only=False)["model"]
+    saved = torch.load(os.path.join(trained, "ckpt.pt"), weights_only=True)["model"]
     init = toy.make_model().state_dict()
     assert cfg["model"] == model_dir
     for k, v in model.state_dict().items():

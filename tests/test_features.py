@@ -361,7 +361,7 @@ def test_process_supervision_advantages_are_the_hand_calculation(smol_tok, tmp_p
 def test_tensorboard_holds_the_values_of_metrics_jsonl(model_dir, tmp_path):
     pytest.importorskip("tensorboard", reason="pip install -r requirements-extra.txt")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    run_script(TRAIN, train_args(model_dir, str(tmp_path), "--log-to", "tensorboard", steps=2))
+    run_script(TRAIN, train_args(model_dir, str(tmp_path), "--config", "log_to=tensorboard", steps=2))
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     rows = read_metrics(str(tmp_path))

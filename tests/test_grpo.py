@@ -15,6 +15,7 @@ from grpo import (LOSS_TYPES, Objective, aggregate, behaviour_weights, clipped_s
                   process_advantages, top_entropy_mask)
 
 F64 = dict(dtype=torch.float64)
+CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")  # the clip of eq. 3; cispo, sapo: tests/test_objectives.py
 
 
 def _batch(lengths=(7, 3, 5, 1, 6, 2), T=7, seed=0):
@@ -326,7 +327,7 @@ def test_gspo_sequence_ratio_is_exp_of_masked_mean_log_ratio():
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", CLIPPED)
 def test_mu1_value_is_advantage_and_gradient_is_minus_A_times_weight(loss_type, level):
     logp, _, _, adv, mask, _ = _batch()
     logp.requires_grad_()
@@ -346,7 +347,7 @@ def test_mu1_value_is_advantage_and_gradient_is_minus_A_times_weight(loss_type, 
 # masks and aggregation
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", CLIPPED)
 def test_padding_changes_neither_loss_nor_gradient(loss_type, level):
     logp, old, ref, adv, mask, ent = _batch()
     adv_t = adv[:, None] * torch.linspace(0.5, 1.5, 7, **F64)  # (N, T) process-style advantages
@@ -386,7 +387,7 @@ def test_all_masked_row_and_all_masked_call_are_finite(loss_type):
     assert loss.item() == 0 and all(torch.isfinite(v) for v in m.values())
 
 
-@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.parametrize("loss_type", CLIPPED)
 def test_aggregate_formulas_on_ragged_lengths(loss_type):
     torch.manual_seed(0)
     lens = [5, 2, 4]
@@ -610,7 +611,8 @@ BAD = [
     (lambda: process_advantages(torch.zeros(2, 2), torch.tensor([[0, 4], [0, 1]]), _m[:, :2], 2, 4),
      r"step_ends must lie in \[0, seq_len=4\)"),
     (lambda: kl_estimate(_x, _x, "k4"), r"kl_estimator must be one of \('k1', 'k2', 'k3', 'k3_clamped', 'full'\)"),
-    (lambda: aggregate(_x, _m, "sum"), r"loss_type must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo'\)"),
+    (lambda: aggregate(_x, _m, "sum"),
+     r"loss_type must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'\)"),
     (lambda: aggregate(_x, _m, "dr_grpo", max_len=2), "max_len"),
     (lambda: aggregate(_x, _m[:, :2], "grpo"), "mask must have shape"),
     (lambda: importance_ratio(_x, _x, _m, "seq"), r"importance_level must be one of \('token', 'sequence'\)"),
@@ -641,7 +643,8 @@ BAD = [
     (lambda: Objective(eps_high=0.1), r"--eps-high 0.1 < --eps 0.2: clip-higher needs eps_high >= eps"),
     (lambda: Objective(delta=1.1), r"--delta 1.1 must be > 1 \+ eps_high = 1.2"),
     (lambda: Objective(eps=0.3, delta=1.25), r"--delta 1.25 must be > 1 \+ eps_high = 1.3"),  # resolved eps_high
-    (lambda: Objective(loss_type="mean"), r"--loss-type must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo'\)"),
+    (lambda: Objective(loss_type="mean"),
+     r"--loss-type must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'\)"),
     (lambda: Objective(kl_estimator="k5"), r"--kl-estimator must be one of \('k1', 'k2', 'k3', 'k3_clamped', 'full'\)"),
     (lambda: Objective(importance_level="x"), r"--importance-level must be one of \('token', 'sequence'\), got 'x'"),
 ]

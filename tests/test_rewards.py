@@ -18,7 +18,8 @@ README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def test_docstring_examples():
-    assert doctest.testmod(rewards).failed == 0
+    result = doctest.testmod(rewards)
+    assert result.attempted > 0 and result.failed == 0  # a module whose examples were all lost runs none
 
 # -----------------------------------------------------------------------------
 # extraction

@@ -103,7 +103,7 @@ def test_lora_trains_the_adapters_and_leaves_the_base_bit_identical(lora4, model
     for name, q in policy.named_parameters():
         if "lora_B" in name:  # B starts at 0: non-zero means it received gradients and moved
             assert q.abs().min() > 0, name
-    state = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    state = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
     assert len(state["model"]) == len(trained) and all("lora_" in k for k in state["model"])  # adapters only
     for s in state["optimizer"]["state"].values():  # every adapter tensor's Adam state saw non-zero gradients
         assert s["exp_avg_sq"].max() > 0
@@ -132,8 +132,8 @@ def test_lora_resume_in_a_fresh_process_is_exact(lora4, model_dir, tmp_path):
     for got, ref in zip(rows[2:], want[2:]):
         for k in set(ref) - TIMING:
             assert got[k] == pytest.approx(ref[k], rel=0, abs=1e-6), (got["step"], k)
-    a = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
-    b = torch.load(os.path.join(lora4[0], "ckpt.pt"), weights_only=False)
+    a = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    b = torch.load(os.path.join(lora4[0], "ckpt.pt"), weights_only=True)
     assert a["step"] == b["step"] == 4 and a["model"].keys() == b["model"].keys()
     for k, v in b["model"].items():
         assert torch.equal(a["model"][k], v), k
@@ -276,7 +276,7 @@ def fp32_state(path):
     """The weights a run ended with: its HF export read by plain transformers, or a ckpt.pt's model."""
     if os.path.isdir(path):
         return AutoModelForCausalLM.from_pretrained(path).state_dict()
-    return torch.load(path, weights_only=False)["model"]
+    return torch.load(path, weights_only=True)["model"]
 
 
 def assert_same_training(want, got, lr=1e-3, steps=2):
@@ -337,7 +337,7 @@ def test_fsdp_resume_from_its_dcp_checkpoint_is_exact(three_runs, model_dir, tmp
     assert sorted(f for f in os.listdir(out) if f.startswith("dcp-")) == ["dcp-000001"]
     torchrun(["--resume", out, "--steps", 2])
     assert sorted(f for f in os.listdir(out) if f.startswith("dcp-")) == ["dcp-000002"]  # the old one removed
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["dcp"] == "dcp-000002"
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["dcp"] == "dcp-000002"
     want, got = fp32_state(os.path.join(three_runs["fsdp"], "hf")), fp32_state(os.path.join(out, "hf"))
     for k, v in want.items():
         assert torch.equal(got[k], v), k
@@ -372,5 +372,5 @@ def test_lora_on_two_processes_starts_alike_and_averages_the_adapters(model_dir,
     p0, p1 = torch.load(dump + ".rank0.pt"), torch.load(dump + ".rank1.pt")
     for k, v in p0.items():
         assert torch.equal(v, p1[k]), k
-    a, b = (torch.load(os.path.join(d, "ckpt.pt"), weights_only=False)["model"] for d in (one, two))
+    a, b = (torch.load(os.path.join(d, "ckpt.pt"), weights_only=True)["model"] for d in (one, two))
     assert_same_training(a, b)

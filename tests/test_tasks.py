@@ -16,7 +16,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def test_docstring_examples():
-    assert doctest.testmod(tasks).failed == 0
+    result = doctest.testmod(tasks)
+    assert result.attempted > 0 and result.failed == 0  # a module whose examples were all lost runs none
 
 
 @pytest.fixture

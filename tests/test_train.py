@@ -5,12 +5,14 @@ in two, as a user would run them. A user mistake must end in SystemExit with a o
 any other exception is the traceback the user would have seen.
 """
 
+import inspect
 import json
 import math
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -74,7 +76,7 @@ def test_end_to_end_logs_every_metric_saves_and_trains(run4, model_dir):
     config = json.load(open(os.path.join(run4, "run.json")))
     assert (config["task"], config["steps"], config["entropy_coef"], config["eps_high"]) == ("toy", 4, 0.01, 0.2)
     assert (config["save_every"], config["log_completions"], config["lr_schedule"]) == (2, 1, "constant")
-    ckpt = torch.load(os.path.join(run4, "ckpt.pt"), weights_only=False)
+    ckpt = torch.load(os.path.join(run4, "ckpt.pt"), weights_only=True)
     assert ckpt["step"] == 4 and ckpt["config"]["out_dir"] == run4 and len(ckpt["rng"]) == 1
     assert not os.path.exists(os.path.join(run4, "ckpt.pt.tmp"))
     init = initial_state(model_dir)
@@ -143,7 +145,7 @@ def test_first_step_loss_and_gradient_are_grpo_loss_by_hand(model_dir, tmp_path,
     norm = torch.cat([x.flatten() for x in grads.values()]).norm()
     assert row["loss"] == pytest.approx(loss.item(), abs=1e-6)
     assert row["grad_norm"] == pytest.approx(norm.item(), rel=1e-5) and norm > 1e-3
-    after = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["model"]
+    after = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["model"]
     checked = 0
     for n, q in model.named_parameters():
         big = grads[n].abs() > 1e-4
@@ -176,7 +178,7 @@ def test_dtype_auto_records_the_dtype_that_ran(model_dir, tmp_path, capsys):
     native = models.native_bf16(torch.device("cpu"))
     want = "bfloat16" if native else "float32"
     assert json.load(open(os.path.join(out, "run.json")))["dtype"] == want
-    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)["config"]["dtype"] == want
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["config"]["dtype"] == want
     assert ("dtype auto -> float32: cpu has no native bf16 matmuls" in capsys.readouterr().out) == (not native)
 
 
@@ -229,8 +231,8 @@ def test_resume_in_a_fresh_process_is_exact(run4, model_dir, tmp_path):
     for got, ref in zip(rows[2:], want[2:]):
         for k in set(ref) - TIMING:
             assert got[k] == pytest.approx(ref[k], rel=0, abs=1e-6), (got["step"], k)
-    a = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
-    b = torch.load(os.path.join(run4, "ckpt.pt"), weights_only=False)
+    a = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
+    b = torch.load(os.path.join(run4, "ckpt.pt"), weights_only=True)
     assert a["step"] == b["step"] == 4
     for k, v in b["model"].items():
         assert torch.equal(a["model"][k], v), k
@@ -241,7 +243,7 @@ def test_resume_in_a_fresh_process_is_exact(run4, model_dir, tmp_path):
 def test_resume_flags_on_top_of_the_checkpoint_config(run4, tmp_path):
     """--eps-high defaults to --eps: a resumed run given only --eps must not keep the old eps_high; the
     checkpoint's config-only keys (save_every=2) stay unless a --config changes them."""
-    ckpt = torch.load(os.path.join(run4, "ckpt.pt"), weights_only=False)
+    ckpt = torch.load(os.path.join(run4, "ckpt.pt"), weights_only=True)
     torch.save(ckpt, tmp_path / "ckpt.pt")
     g = run_script(TRAIN, ["--resume", tmp_path, "--eps", 0.3, "--steps", 5, "--config", "log_completions=0"])
     assert (g["args"].eps, g["obj"].eps_high, g["args"].steps, g["start_step"]) == (0.3, 0.3, 5, 4)
@@ -263,7 +265,7 @@ def test_a_kill_mid_save_keeps_the_last_good_checkpoint(model_dir, tmp_path, mon
         run_script(TRAIN, train_args(model_dir, str(tmp_path), "--config", "save_every=1", steps=2))
     monkeypatch.undo()
     assert len(calls) == 2
-    ckpt = torch.load(os.path.join(tmp_path, "ckpt.pt"), weights_only=False)
+    ckpt = torch.load(os.path.join(tmp_path, "ckpt.pt"), weights_only=True)
     assert ckpt["step"] == 1
 
 # -----------------------------------------------------------------------------
@@ -340,7 +342,7 @@ def test_config_file_errors_are_one_line(model_dir, tmp_path, capsys, line, mess
     (["--eps", 0.2, "--eps-high", 0.1], "--eps-high 0.1 < --eps 0.2"),
     (["--loss-type", "nope"], "invalid choice: 'nope'"),
     (["--resume", "{tmp}/missing"], "--resume"),
-    (["--resume", "{tmp}/corrupt"], "no readable checkpoint"),
+    (["--resume", "{tmp}/corrupt"], "not a checkpoint train.py wrote; nothing in it ran"),
     (["--out-dir", "{tmp}/afile/sub"], "is not writable"),
     (["--device", "cuda"], "device 'cuda' is not usable here"),
     (["--top-entropy-quantile", 0], "--top-entropy-quantile must be (0, 1], got 0.0"),
@@ -359,15 +361,78 @@ def test_bad_input_is_a_one_line_error(model_dir, tmp_path, capsys, monkeypatch,
     assert code != 0 and "error:" in last and message in last, last
 
 # -----------------------------------------------------------------------------
-# objective variants: one step each
+# objective variants: one step each, each flag seen in the loss
 
 
-@pytest.mark.parametrize("extra", [
-    ["--mu", 2], ["--beta", 0], ["--importance-level", "sequence"], ["--loss-type", "dapo"],
-    ["--loss-type", "dr_grpo"], ["--mask-truncated"], ["--top-entropy-quantile", 0.5],
-    ["--config", "ref_sync_every=1"], ["--scale-rewards", "batch", "--delta", 2.0, "--eps-high", 0.28],
-], ids=lambda x: "".join(map(str, x)).lstrip("-"))
-def test_variant_runs_one_step(model_dir, tmp_path, extra):
+EPS32 = torch.finfo(torch.float32).eps  # 1.2e-7
+DEFAULT = {"beta": 0.04, "level": "token", "loss_type": "grpo", "eps_high": 0.2, "delta": None, "quantile": 1.0,
+           "mask_truncated": False, "scale": "group"}
+VARIANTS = [  # (flags, the options of the hand computation below that they change)
+    (["--mu", 2], {}), (["--beta", 0], {"beta": 0}), (["--config", "ref_sync_every=1"], {}),
+    (["--mu", 2, "--importance-level", "sequence"], {"level": "sequence"}),  # at mu 1 every ratio is 1
+    (["--loss-type", "dapo"], {"loss_type": "dapo"}), (["--loss-type", "dr_grpo"], {"loss_type": "dr_grpo"}),
+    (["--mask-truncated"], {"mask_truncated": True}), (["--top-entropy-quantile", 0.5], {"quantile": 0.5}),
+    (["--scale-rewards", "batch"], {"scale": "batch"}),
+    # the second pass at lr 3e-3 has ratios in (1.2, 1.28] with A > 0 and above 1.3 with A < 0 (measured up to 1.7)
+    (["--mu", 2, "--lr", 3e-3, "--eps-high", 0.28, "--delta", 1.3], {"eps_high": 0.28, "delta": 1.3}),
+]
+
+
+def hand_advantages(g, scale):
+    """(r - group mean) / (std + 1e-4), the std unbiased over the group ("group") or all 8 rewards ("batch"), from the
+    toy reward fns on the step's completions -> (N,) float64, and a bound on fp32's error in them: the centred
+    rewards are off by a few eps32 of max|r|, which the division by std amplifies."""
+    r = torch.tensor(toy_rewards(g["r"].completions, [toy.prompt(e) for e in g["examples"]]), dtype=torch.float64)
+    r = r.view(-1, G)
+    std = (r.std(1, keepdim=True) if scale == "group" else r.std()) + 1e-4
+    adv = ((r - r.mean(1, keepdim=True)) / std).flatten()
+    return adv, 16 * EPS32 * (r.abs().max() / std.min() + adv.abs().max()).item()
+
+
+def hand_mask(g, rows, c, mask_truncated):
+    r = g["r"]
+    return r.completion_mask[rows, :c].bool() & (~r.truncated[rows, None] if mask_truncated else True)
+
+
+def hand_loss(call, adv, m, n_tok, beta, level, loss_type, eps_high, delta, quantile, **_):
+    """One micro-batch's loss by DeepSeekMath eq. 3 written out in float64 (eps 0.2; k3 with x clamped to +-20 and
+    k3 to <= 10; the recorded behaviour weights) over a batch of 8 rows of <= 12 new tokens, n_tok of them valid
+    -> (loss, the same aggregate of |terms|: the size fp32's rounding of the loss is relative to)."""
+    def f(x):
+        return torch.where(m, x.detach().double(), 0.0)
+    logp = f(call["logp"])
+    log_ratio = logp - (logp if call["old_logp"] is None else f(call["old_logp"]))  # (n, c)
+    if level == "sequence":  # GSPO: the row's mean log-ratio on every token of the row
+        log_ratio = (log_ratio.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
+    ratio, A = log_ratio.exp(), adv[:, None]
+    capped = ratio if delta is None else ratio.clamp(max=delta)
+    terms = -torch.minimum(capped * A, ratio.clamp(0.8, 1 + eps_high) * A) * f(call["behaviour_weights"])
+    if quantile < 1:  # the policy term only on this call's tokens with entropy >= its (1 - quantile) quantile
+        h = f(call["entropy"])
+        terms = terms * (h >= float(np.quantile(h[m].numpy(), 1 - quantile)))
+    if beta:
+        x = (f(call["ref_logp"]) - logp).clamp(-20, 20)
+        terms = terms + beta * (x.exp() - 1 - x).clamp(max=10)
+
+    def agg(t):
+        t = torch.where(m, t, 0.0)
+        return {"grpo": (t.sum(1) / m.sum(1).clamp(min=1)).sum() / 8, "dapo": t.sum() / n_tok,
+                "dr_grpo": t.sum() / (8 * 12)}[loss_type].item()
+    return agg(terms), agg(terms.abs())
+
+
+@pytest.mark.parametrize("extra, opts", VARIANTS, ids=["".join(map(str, x)).lstrip("-") for x, _ in VARIANTS])
+def test_variant_runs_one_step_and_reaches_the_loss(model_dir, tmp_path, monkeypatch, extra, opts):
+    """One step with a variant flag. Every grpo_loss call's mask, advantages and loss must be the hand computation
+    with the flag's options, and each option must change that computation on this step's data: a flag that did not
+    reach the loss fails one or the other."""
+    calls, real = [], grpo.grpo_loss
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        calls.append({**inspect.signature(real).bind(*a, **k).arguments, "loss": out[0].item()})
+        return out
+    monkeypatch.setattr(grpo, "grpo_loss", spy)
     g = run_script(TRAIN, train_args(model_dir, str(tmp_path), *extra, steps=1))
     [row] = read_metrics(str(tmp_path))
     assert all(math.isfinite(v) for v in row.values()), row
@@ -376,16 +441,45 @@ def test_variant_runs_one_step(model_dir, tmp_path, extra):
         assert g["ref"] is None and "kl" not in row and row["entropy"] > 0  # entropy is logged always
     else:
         assert g["ref"] is not None and "kl" in row
-    if "--mu" in extra:  # the second pass is off-policy: old log-probs, ratios away from 1
+    mu = 2 if "--mu" in extra else 1
+    if mu == 2:  # the second pass is off-policy: old log-probs, ratios away from 1
         assert g["old_logp"] is not None and (row["ratio_max"] > 1 or row["ratio_min"] < 1)
     else:
         assert g["old_logp"] is None
-    if "--top-entropy-quantile" in extra:
-        assert "entropy" in row
     if "ref_sync_every=1" in extra:  # the reference is reset to the policy and checkpointed
         for r, q in zip(g["ref"].parameters(), g["policy"].parameters()):
             assert torch.equal(r, q)
-        assert torch.load(os.path.join(tmp_path, "ckpt.pt"), weights_only=False)["ref"] is not None
+        assert torch.load(os.path.join(tmp_path, "ckpt.pt"), weights_only=True)["ref"] is not None
+
+    o, micro = {**DEFAULT, **opts}, 4  # train_args: micro-batches of one group, two a pass
+    (adv, adv_tol), rows = hand_advantages(g, o["scale"]), [slice(j % 2 * micro, j % 2 * micro + micro) for j in
+                                                             range(len(calls))]
+    masks = [hand_mask(g, rows[j], call["mask"].size(1), o["mask_truncated"]) for j, call in enumerate(calls)]
+    assert len(calls) == mu * 2
+    n_tok = int(masks[0].sum() + masks[1].sum())
+    for j, call in enumerate(calls):
+        assert torch.equal(call["mask"].bool(), masks[j]), j
+        torch.testing.assert_close(call["advantages"][:, 0].double(), adv[rows[j]], atol=adv_tol, rtol=0)
+        want, size = hand_loss(call, adv[rows[j]], masks[j], n_tok, **o)
+        # fp32 sums of <= 48 terms: rounding <= 48 eps32 (6e-6) of the sum of the terms' sizes
+        assert call["loss"] == pytest.approx(want, rel=0, abs=1e-5 * size), j
+    total = sum(abs(call["loss"]) for call in calls)  # the logged loss: the calls' fp32 sum over mu
+    assert row["loss"] == pytest.approx(sum(call["loss"] for call in calls) / mu, rel=0, abs=4 * EPS32 * total)
+
+    # each option moves the hand computation on this data by far more than that bound (beta 0: no reference
+    # is even loaded, asserted above)
+    for key in opts.keys() - {"beta"}:
+        if key == "scale":
+            assert (hand_advantages(g, "group")[0] - adv).abs().max() > 1e-2, key
+        elif key == "mask_truncated":
+            assert not torch.equal(hand_mask(g, slice(None), None, True), hand_mask(g, slice(None), None, False))
+        else:
+            gaps = []
+            for j, call in enumerate(calls):
+                (a, size), (b, _) = (hand_loss(call, adv[rows[j]], masks[j], n_tok, **x)
+                                     for x in (o, {**o, key: DEFAULT[key]}))
+                gaps.append(abs(a - b) / (1e-5 * size))
+            assert max(gaps) > 10, (key, gaps)
 
 # -----------------------------------------------------------------------------
 # torchrun: two CPU processes (gloo)
@@ -404,7 +498,7 @@ def test_torchrun_two_processes_average_gradients(model_dir, tmp_path):
     proc = torchrun(train_args(model_dir, out, steps=2), tmp_path, TOY_DUMP_PARAMS=dump)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in read_metrics(out)] == [1, 2]  # rank 0 alone writes
-    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=False)
+    ckpt = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)
     assert ckpt["step"] == 2 and len(ckpt["rng"]) == 2  # each rank's RNG state, for an exact resume
     p0, p1 = torch.load(dump + ".rank0.pt"), torch.load(dump + ".rank1.pt")
     init = initial_state(model_dir)
