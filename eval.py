@@ -15,7 +15,6 @@ k = 1, 2, 4, ... N. A checkpoint may be a full fine-tune, a LoRA run (adapters m
 import argparse
 import json
 import os
-import signal
 import sys
 
 import torch
@@ -24,23 +23,11 @@ import run
 from models import DTYPES, check_dtype, load_model, load_tokenizer, resolve_device, resolve_dtype
 from tasks import TASKS, evaluate, pass_at_k  # noqa: F401 (pass_at_k: eval.pass_at_k)
 
-def load_checkpoint(path):
-    """A run dir or its ckpt.pt -> (path, the checkpoint dict); ValueError in one line when unreadable."""
-    path = os.path.join(path, "ckpt.pt") if os.path.isdir(path) else path
-    if not os.path.isfile(path):
-        raise ValueError(f"no checkpoint at {path}; pass a train.py --out-dir or its ckpt.pt")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
-        ckpt["config"]
-    except Exception as e:  # truncated or foreign file
-        raise ValueError(f"checkpoint {path} is unreadable ({type(e).__name__}); pass another one") from None
-    return path, ckpt
-
 def load_checkpoint_model(path, device, dtype, merge=True):
     """A train.py checkpoint (ckpt.pt or its run dir) -> (model, tokenizer, the run's flags). A LoRA run's
     adapters are merged into its fp32 base (merge=False: the peft model, fp32); an --fsdp run's DCP shards
     are read by this one process."""
-    path, ckpt = load_checkpoint(path)  # ValueError in one line when missing or unreadable
+    path, ckpt = run.load_checkpoint(path)  # ValueError in one line when missing, unreadable or unsafe
     cfg, cpu, rank = ckpt["config"], torch.device("cpu"), ckpt["config"].get("lora_rank", 0)
     if "dcp" in ckpt:  # an --fsdp run: fp32 master weights, sharded
         import scale
@@ -61,10 +48,10 @@ def load_checkpoint_model(path, device, dtype, merge=True):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", default="gsm8k", choices=sorted(TASKS))
-    p.add_argument("--data-dir", default=None, help="local GSM8K dir (else $GSM8K_DIR, else download)")
+    p.add_argument("--data-dir", type=run.user_path, help="local GSM8K dir (else $GSM8K_DIR, else download)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", default=None, help="hub id, local HF dir, .gguf file or smollm2-135m")
-    src.add_argument("--ckpt", default=None, help="train.py out dir or ckpt.pt")
+    src.add_argument("--model", type=run.user_path, help="hub id, local HF dir, .gguf file or smollm2-135m")
+    src.add_argument("--ckpt", type=run.user_path, help="train.py out dir or ckpt.pt")
     p.add_argument("--split", default="test", choices=["train", "test"])
     p.add_argument("--limit", type=int, default=None, help="first N examples of the split (default: all)")
     p.add_argument("--n", type=int, default=1, help="samples per question; 1 = greedy")
@@ -75,66 +62,71 @@ def main():
     p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
                    help="weights for decoding; auto: bfloat16 where its matmuls are native, else float32")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=None, help="predictions jsonl (default: beside the ckpt, or ./predictions.jsonl)")
-    p.add_argument("--export", default=None, metavar="DIR",
+    p.add_argument("--out", type=run.user_path, help="predictions jsonl (default: beside the ckpt, or "
+                   "./predictions.jsonl; a new name when that exists)")
+    p.add_argument("--export", type=run.user_path, metavar="DIR",
                    help="write --ckpt as a HF folder (weights in --dtype, LoRA merged) to DIR instead of evaluating")
     p.add_argument("--adapter", action="store_true", help="with --export: a LoRA run's adapters as a peft folder")
     args = p.parse_args()
     run.check(p, args, {"limit": ">= 1", "n": ">= 1", "temperature": "> 0", "max_new_tokens": ">= 1",
-                        "batch_size": ">= 1", "seed": ">= 0"})
+                        "batch_size": ">= 1", "seed": "[0, 9e18]"})
+    given = {k for k, v in vars(args).items() if v != p.get_default(k)}
+    if args.adapter and args.export is None:
+        p.error("--adapter writes a LoRA run's adapters with --export DIR; pass --export DIR or drop --adapter")
     if args.export is not None:
-        return export(p, args)
-    beside = f"predictions_{args.task}_{args.split}.jsonl"  # the default beside a checkpoint
-    out = args.out or (os.path.join(args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(args.ckpt), beside)
-                       if args.ckpt else "predictions.jsonl")
-    if os.path.isdir(out):
-        p.error(f"--out {out} is a directory; pass a file path such as {os.path.join(out, 'predictions.jsonl')}")
-    tmp = out + ".tmp"  # written whole, then renamed: a kill never leaves a half file at `out`
-    try:  # before the evaluation, not after it: a bad path must not cost the run
-        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-        open(tmp, "w").close()
-        os.remove(tmp)
-    except OSError as e:
-        p.error(f"--out {out} cannot be written ({e.strerror}); pass another path")
-    signal.signal(signal.SIGTERM, run.sigterm)
+        return export(p, args, given)
+    if "temperature" in given and args.n == 1:
+        print("note: --temperature has no effect with --n 1 (greedy); pass --n > 1 to sample")
+    run.exit_on_interrupt("no predictions written")
+    tmp = None
     try:
-        try:
-            device = resolve_device(args.device)
-            dtype, note = resolve_dtype(args.dtype, device)
-            check_dtype(device, dtype)
-            if note:
-                print(note)
-            task = TASKS[args.task]
-            examples = task.load(args.split, data_dir=args.data_dir)[:args.limit]
-            name = args.model or "smollm2-135m"
-            model, tok, _ = load_checkpoint_model(args.ckpt, device, dtype) if args.ckpt else \
-                (load_model(name, device, dtype, trainable=False), load_tokenizer(name), None)
-        except ValueError as e:  # ModelError, DataError, a bad checkpoint: what was named cannot be used
-            p.error(str(e))
+        device = resolve_device(args.device)
+        dtype, note = resolve_dtype(args.dtype, device)
+        check_dtype(device, dtype)
+        task = TASKS[args.task]
+        examples = task.load(args.split, data_dir=args.data_dir)[:args.limit]  # what must exist, before any write
+        name = args.model or "smollm2-135m"
+        model, tok, _ = load_checkpoint_model(args.ckpt, device, dtype) if args.ckpt else \
+            (load_model(name, device, dtype, trainable=False), load_tokenizer(name), None)
+        beside = os.path.join(args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(args.ckpt),
+                              f"predictions_{args.task}_{args.split}.jsonl") if args.ckpt else "predictions.jsonl"
+        out = args.out or run.fresh(beside)  # a default never replaces a file
+        if os.path.isdir(out):
+            raise ValueError(f"--out {out} is a directory; pass a file path such as {os.path.join(out, 'p.jsonl')}")
+        try:  # before the evaluation, not after it: a bad path must not cost the run
+            os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+            open(tmp := out + ".tmp", "w").close()
+        except OSError as e:
+            raise ValueError(f"--out {out} cannot be written ({e.strerror}); pass another path") from None
+    except ValueError as e:  # ModelError, DataError, a bad checkpoint or path: what was named cannot be used
+        p.error(str(e))
+    try:
+        if note:
+            print(note)
         summary, records = evaluate(model, tok, task, examples, args.max_new_tokens, args.batch_size, args.n,
                                     args.temperature, args.seed, dtype=dtype)
-        print(f"{args.task}/{args.split} {args.ckpt or args.model or 'smollm2-135m'}: " +
+        print(f"{args.task}/{args.split} {args.ckpt or name}: " +
               " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
         try:
-            with open(tmp, "w") as f:
+            with open(tmp, "w") as f:  # written whole, then renamed: a kill never leaves a half file at `out`
                 f.writelines(json.dumps(r) + "\n" for r in records)
             os.replace(tmp, out)
         except OSError as e:  # a full disk: the summary above stands
             sys.exit(f"error: could not write the predictions to {out} ({e.strerror or e})")
         print(f"predictions -> {out}")
-    except KeyboardInterrupt as e:
-        print("error: interrupted; no predictions written", file=sys.stderr)
-        sys.exit(143 if str(e) == "SIGTERM" else 130)  # 128 + the signal, what a shell reports
-    finally:  # every way out: no temp file left behind
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    finally:  # every way out, an interruption too: no temp file left behind
+        run.remove(tmp)
 
-def export(p, args):
+def export(p, args, given):
     """eval.py --ckpt RUN --export DIR [--adapter]: the checkpoint as a folder transformers loads."""
     if not args.ckpt:
         p.error("--export needs --ckpt (a train.py run); a --model is already a HF model")
+    idle = sorted(given - {"ckpt", "export", "adapter", "dtype"})
+    if idle:
+        p.error(f"--export writes a checkpoint, it does not evaluate: drop --{' --'.join(idle).replace('_', '-')}")
     if os.path.exists(args.export) and (not os.path.isdir(args.export) or os.listdir(args.export)):
         p.error(f"--export {args.export} exists and is not an empty directory; pass a new one")
+    run.exit_on_interrupt("nothing exported")
     try:
         model, tok, cfg = load_checkpoint_model(args.ckpt, torch.device("cpu"), torch.float32, merge=False)
     except ValueError as e:

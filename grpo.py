@@ -19,9 +19,10 @@ def _check(ok, message):
 def _check_choice(name, value, choices):
     _check(value in choices, f"{name} must be one of {choices}, got {value!r}")
 
-def _check_shape(name, x, shape):  # None passes: an optional input
-    if x is not None:
-        _check(tuple(x.shape) == tuple(shape), f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+def _check_shape(shape, **tensors):  # None passes: an optional input
+    for name, x in tensors.items():
+        if x is not None:
+            _check(tuple(x.shape) == tuple(shape), f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
 
 def _check_groups(n, group_size):  # a group of one has no baseline
     _check(isinstance(group_size, int) and group_size >= 2 and n % group_size == 0,
@@ -46,34 +47,30 @@ def informative_groups(rewards, group_size):
     return (r != r[:, :1]).any(1)  # (N/G,); exact, not std == 0: the float mean of equal values need not equal them
 
 def pick_groups(rewards, group_size, count):
-    """DAPO dynamic sampling (https://arxiv.org/abs/2503.14476 §3.2): the first `count` informative groups in
-    sampling order, topped up when too few with the last flat ones (the caller masks those out of the loss).
-    rewards: one (n_i * G,) tensor per rollout attempt -> sorted [(attempt, group, informative)] of length count"""
-    groups = [(i, j, bool(f)) for i, r in enumerate(rewards) for j, f in enumerate(informative_groups(r, group_size))]
-    return sorted(([x for x in groups if x[2]] + [x for x in groups if not x[2]][::-1])[:count])
+    """DAPO dynamic sampling (https://arxiv.org/abs/2503.14476 §3.2): the first `count` informative groups, topped up
+    with the last flat ones (the caller masks them). rewards (N,), in sampling order -> sorted group indices (count,)"""
+    informative = informative_groups(rewards, group_size)  # (N/G,)
+    return torch.cat([informative.nonzero(), (~informative).nonzero().flip(0)])[:count, 0].sort().values
 
 def group_advantages(rewards, group_size, scale="group", eps=1e-4):
-    """Outcome supervision (DeepSeekMath §4.1.2): A_i = (r_i - mean(group)) / (std + eps) on every token.
-    scale "group": the paper; "batch": std of all N rewards (https://arxiv.org/abs/2508.08221); "none": no division
-    (Dr. GRPO, https://arxiv.org/abs/2503.20783 §3.1). std is unbiased (/(G-1)), as the paper's code and TRL.
-    A flat group gets exactly 0, not rounding noise. rewards (N,) -> (advantages (N,), fraction of flat groups 0-dim)
+    """Outcome supervision (DeepSeekMath §4.1.2): A_i = (r_i - mean(group)) / (std + eps), unbiased std (the paper's
+    code, TRL); scale "batch": std of all N rewards (https://arxiv.org/abs/2508.08221), "none": no division (Dr. GRPO,
+    https://arxiv.org/abs/2503.20783 §3.1). A flat group gets exactly 0. rewards (N,) -> (A (N,), flat fraction 0-dim)
     >>> adv, frac = group_advantages(torch.tensor([-2., -2, -5, 0, -5, -1, -1, -3]), 4)
     >>> [round(a, 2) for a in adv.tolist()], frac.item()
     ([0.12, 0.12, -1.33, 1.09, -1.31, 0.78, 0.78, -0.26], 0.0)"""
     flat = ~informative_groups(rewards, group_size)[:, None]  # (N/G, 1)
     _check_choice("scale", scale, SCALES)
     r = _up(rewards).view(-1, group_size)  # (N/G, G)
-    adv = r - r.mean(1, keepdim=True)  # (N/G, G)
-    if scale != "none":  # "group": each group's std, "batch": one std over all N rewards
-        adv = adv / ((r.std(1, keepdim=True) if scale == "group" else r.std()) + eps)
+    std = {"group": r.std(1, keepdim=True) + eps, "batch": r.std() + eps, "none": 1.0}[scale]  # (N/G, 1) or 0-dim
+    adv = (r - r.mean(1, keepdim=True)) / std  # (N/G, G)
     return torch.where(flat, 0.0, adv).view(-1), flat.float().mean()  # (N,), 0-dim
 
 def process_advantages(step_rewards, step_ends, step_mask, group_size, seq_len, eps=1e-4):
     """Process supervision (DeepSeekMath §4.1.3): step j of an output ends at token step_ends[j] with reward r_j;
     r~_j = (r_j - mean) / (std + eps) over the valid steps of the group's G outputs (unbiased std), A_t = sum of r~_j
     over steps with step_ends[j] >= t. step_rewards, step_ends (long), step_mask (N, S) -> advantages (N, seq_len)"""
-    _check_shape("step_ends", step_ends, step_rewards.shape)
-    _check_shape("step_mask", step_mask, step_rewards.shape)
+    _check_shape(step_rewards.shape, step_ends=step_ends, step_mask=step_mask)
     N, S = step_rewards.shape
     _check_groups(N, group_size)
     m = step_mask.bool()
@@ -84,31 +81,26 @@ def process_advantages(step_rewards, step_ends, step_mask, group_size, seq_len, 
     mean = torch.where(gm, r, 0).sum(1, keepdim=True) / count.clamp(min=1)  # (N/G, 1)
     dev = torch.where(gm, r - mean, 0)  # (N/G, G*S)
     std = (dev.pow(2).sum(1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # (N/G, 1)
-    hi = torch.where(gm, r, -torch.inf).amax(1, keepdim=True)  # (N/G, 1)
-    lo = torch.where(gm, r, torch.inf).amin(1, keepdim=True)  # (N/G, 1)
-    norm = torch.where(hi == lo, 0.0, dev / (std + eps)).view(N, S)  # (N, S); a flat group gets 0
+    first = r.gather(1, gm.int().argmax(1, keepdim=True))  # (N/G, 1): each group's first valid reward
+    norm = torch.where(((r != first) & gm).any(1, keepdim=True), dev / (std + eps), 0.0).view(N, S)  # (N, S); flat: 0
     per_token = r.new_zeros(N, seq_len).scatter_add_(1, torch.where(m, step_ends, 0), torch.where(m, norm, 0))
     return per_token.flip(1).cumsum(1).flip(1)  # (N, T): each step's r~ on its last token, summed from t on
 
 # ----------------------------------------------------------------------------- per-token pieces
 def importance_ratio(logp, old_logp, mask, level="token"):
-    """"token" (the paper): rho_t = exp(logp_t - old_logp_t); "sequence" (GSPO, https://arxiv.org/abs/2507.18071
-    eq. 7): exp(sum_t m_t (logp_t - old_logp_t) / sum_t m_t) on every token of the row.
-    logp, old_logp, mask (N, T) -> (N, T), 1 at padding (token level)"""
+    """"token" (the paper): rho_t = exp(logp_t - old_logp_t); "sequence" (GSPO, https://arxiv.org/abs/2507.18071 eq. 7):
+    exp(sum_t m_t (logp_t - old_logp_t) / sum_t m_t) on the whole row. (N, T) each -> (N, T), 1 at padding (token)"""
     _check_choice("importance_level", level, IMPORTANCE_LEVELS)
     mask = mask.bool()
-    # mask before exp: padding may hold -inf/garbage, and 0 * inf in backward is NaN
-    log_ratio = torch.where(mask, _up(logp) - _up(old_logp), 0.0)  # (N, T)
+    log_ratio = torch.where(mask, _up(logp) - _up(old_logp), 0.0)  # (N, T); padding's -inf/garbage: NaN in backward
     if level == "sequence":
-        seq = log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)  # (N, 1)
-        log_ratio = seq.expand_as(log_ratio)  # (N, T)
+        log_ratio = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(mask)  # (N, T)
     return log_ratio.exp()
 
 def clipped_surrogate(ratio, advantages, eps_low=0.2, eps_high=None, delta=None):
-    """DeepSeekMath eq. 3, to maximise: min(min(rho, delta) A, clip(rho, 1 - eps_low, 1 + eps_high) A).
-    eps_high > eps_low is DAPO's clip-higher (https://arxiv.org/abs/2503.14476 §3.1; None: eps_low); delta is
-    INTELLECT-2's cap (https://arxiv.org/abs/2505.07291 §3.2): a huge ratio with A < 0 cannot blow up the update.
-    ratio (N, T), advantages (N, T) or (N, 1) -> (N, T)"""
+    """DeepSeekMath eq. 3, to maximise: min(min(rho, delta) A, clip(rho, 1 - eps_low, 1 + eps_high) A); eps_high >
+    eps_low: DAPO's clip-higher (https://arxiv.org/abs/2503.14476 §3.1; None: eps_low); delta: INTELLECT-2's cap on
+    a huge ratio with A < 0 (https://arxiv.org/abs/2505.07291 §3.2). ratio (N, T), advantages (N, 1|T) -> (N, T)"""
     eps_high = eps_low if eps_high is None else eps_high
     _check(delta is None or delta > 1 + eps_high, f"delta must be > 1 + eps_high = {1 + eps_high}, got {delta}")
     clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages  # (N, T)
@@ -128,9 +120,8 @@ def sapo_surrogate(ratio, advantages, tau_pos=1.0, tau_neg=1.05):
 
 def kl_estimate(logp, ref_logp, estimator="k3_clamped"):
     """Per-token KL(pi || pi_ref) from tokens sampled from pi, x = ref_logp - logp (joschu.net/blog/kl-approx.html):
-    k1 = -x, k2 = x^2 / 2, k3 = e^x - x - 1 (DeepSeekMath eq. 4), k3_clamped = min(k3(clamp(x, -20, 20)), 10)
-    (verl's "low_var_kl"): one token with pi_ref >> pi cannot blow up value or gradient; equal to k3 for
-    -11 < x < 2.61. "full" needs logits: full_kl. logp, ref_logp (N, T) -> (N, T)"""
+    k1 = -x, k2 = x^2 / 2, k3 = e^x - x - 1 (DeepSeekMath eq. 4), k3_clamped = min(k3(clamp(x, -20, 20)), 10) (verl's
+    "low_var_kl", = k3 for -11 < x < 2.61): no blow-up where pi_ref >> pi. "full": full_kl. (N, T) each -> (N, T)"""
     _check_choice("kl_estimator", estimator, KL_ESTIMATORS)
     _check(estimator != "full", "kl_estimator='full' needs logits: pass kl=full_kl(logits, ref_logits) to grpo_loss")
     x = _up(ref_logp) - _up(logp)  # (N, T)
@@ -141,35 +132,31 @@ def kl_estimate(logp, ref_logp, estimator="k3_clamped"):
     return k3.clamp(max=10) if estimator == "k3_clamped" else k3  # verl clamps to [-10, 10]; k3 >= 0
 
 def behaviour_weights(train_logp, sample_logp, mask, mode="token_truncate", cap=2.0):
-    """Sampler/trainer mismatch (TIS, https://fengyao.notion.site/off-policy-rl; TRL vllm_importance_sampling_mode):
-    the policy term is reweighted by pi_train / pi_sample. With d_t = train_logp_t - sample_logp_t, token modes
-    use exp(d_t), sequence modes exp(sum_t m_t d_t) (TRL's product, not GSPO's mean) on the whole row; "truncate"
-    clamps to <= cap (2 as TIS), "mask" zeroes above cap, "none" is 1 (metrics only). A NaN on a valid token stays
-    NaN (TRL PR #6693 zeroes its d_t): our sampler scores every token, so a NaN is a bug. train_logp, sample_logp,
-    mask (N, T) -> (weights (N, T) detached, 1 at padding, metrics of detached 0-dim tensors: is_capped (fraction of
-    valid tokens above cap), dlogp_mean, dlogp_p99, dlogp_max of |d_t|)"""
+    """Sampler/trainer mismatch (TIS, https://fengyao.notion.site/off-policy-rl; TRL vllm_importance_sampling_mode): the
+    policy term times w = pi_train / pi_sample = exp(d_t), d_t = train_logp_t - sample_logp_t (token modes), or
+    exp(sum_t m_t d_t) on the row (sequence modes: TRL's product, not GSPO's mean); "truncate": min(w, cap) (2 as TIS),
+    "mask": 0 above cap, "none": 1. A NaN stays NaN (TRL PR #6693 zeroes it): our sampler scores every token.
+    train_logp, sample_logp, mask (N, T) -> (w (N, T) detached, 1 at padding; metrics, detached 0-dim: is_capped
+    (fraction of valid tokens above cap), dlogp_mean, dlogp_p99, dlogp_max of |d_t|)"""
     _check_choice("behaviour_mode", mode, BEHAVIOUR_MODES)
-    _check_shape("sample_logp", sample_logp, train_logp.shape)
-    _check_shape("mask", mask, train_logp.shape)
+    _check_shape(train_logp.shape, sample_logp=sample_logp, mask=mask)
     mask = mask.bool()
     with torch.no_grad():
         d = torch.where(mask, _up(train_logp) - _up(sample_logp), 0.0)  # (N, T); padding garbage out
         ratio = (d.sum(1, keepdim=True).expand_as(d) if mode.startswith("sequence") else d).exp()  # (N, T)
-        out = ratio > cap  # (N, T)
+        out = (ratio > cap) & mask & (mode != "none")  # (N, T)
         w = ratio.clamp(max=cap) if mode.endswith("truncate") else torch.where(out, 0.0, ratio)
-        if mode == "none":
-            w, out = torch.ones_like(ratio), torch.zeros_like(out)
-        w = torch.where(mask, w, 1.0)
+        w = torch.where(mask & (mode != "none"), w, 1.0)  # (N, T)
         a, n = d.abs(), mask.sum().clamp(min=1)  # (N, T), 0-dim; metrics with no host sync
         p99 = torch.nanquantile(torch.where(mask, a, torch.nan).flatten(), 0.99)  # nanquantile skips padding
-        metrics = {"is_capped": (out & mask).sum() / n, "dlogp_mean": a.sum() / n,
+        metrics = {"is_capped": out.sum() / n, "dlogp_mean": a.sum() / n,
                    "dlogp_p99": torch.where(mask.any(), p99, 0.0), "dlogp_max": a.amax()}
     return w, metrics
 
 def full_kl(logits, ref_logits, mask=None):
     """Exact per-token KL(pi || pi_ref) = sum_v pi(v) (log pi(v) - log pi_ref(v)) in fp32; the caller bounds memory
     (rollout.head_logprobs passes a chunk of rows). logits, ref_logits (N, T, V), mask (N, T) or None -> (N, T)"""
-    _check_shape("ref_logits", ref_logits, logits.shape)
+    _check_shape(logits.shape, ref_logits=ref_logits)
     logq, logq_ref = _up(logits).log_softmax(-1), _up(ref_logits).log_softmax(-1)  # (N, T, V)
     kl = (logq.exp() * (logq - logq_ref)).sum(-1)  # (N, T)
     return kl if mask is None else torch.where(mask.bool(), kl, 0.0)
@@ -178,7 +165,7 @@ def top_entropy_mask(entropy, mask, quantile):
     """The policy term on high-entropy "forking" tokens only (https://arxiv.org/abs/2506.01939): valid tokens with
     H_t >= the (1 - quantile) quantile over them (linear, as TRL; 0.2: top 20%). entropy, mask (N, T) -> bool (N, T)"""
     _check(0 < quantile <= 1, f"top_entropy_quantile must be in (0, 1], got {quantile}")
-    _check_shape("mask", mask, entropy.shape)
+    _check_shape(entropy.shape, mask=mask)
     mask = mask.bool()
     if quantile == 1:
         return mask
@@ -195,7 +182,7 @@ def aggregate(per_token, mask, loss_type="grpo", num_sequences=None, num_tokens=
       "dr_grpo"       (https://arxiv.org/abs/2503.20783 §3.2): sum_it m l / (num_sequences * max_len)
       "dapo", "cispo" (https://arxiv.org/abs/2503.14476 eq. 8; MiniMax-M1 eq. 4): sum_it m l / num_tokens"""
     _check_choice("loss_type", loss_type, LOSS_TYPES)
-    _check_shape("mask", mask, per_token.shape)
+    _check_shape(per_token.shape, mask=mask)
     N, T = per_token.shape
     mask = mask.bool()
     num_sequences, max_len = N if num_sequences is None else num_sequences, T if max_len is None else max_len
@@ -241,20 +228,17 @@ class Objective:
 
 def grpo_loss(logp, old_logp, ref_logp, advantages, mask, obj, *, entropy=None, kl=None, behaviour_weights=None,
               num_sequences=None, num_tokens=None):
-    """DeepSeekMath eq. 3 with obj's variants; per token, then aggregate(l, mask, obj.loss_type, ...):
+    """DeepSeekMath eq. 3 with obj's variants, per token, then aggregate(l, mask, obj.loss_type, ...):
         l_t = -S_t e_t w_t + beta KL_t - entropy_coef H_t, S_t = min(min(rho, delta) A, clip(rho, 1-eps, 1+eps_high) A)
-    (clipped_surrogate) or cispo_/sapo_surrogate's by loss type; e_t (top_entropy_mask) and w_t (behaviour_weights,
-    detached) scale the policy term only, as TRL. All (N, T): logp with grad; old_logp or None (mu=1: logp.detach(),
-    gradient A grad logp); ref_logp if beta > 0; kl, full_kl's with grad, if kl_estimator="full"; entropy if
-    entropy_coef != 0 (with grad) or top_entropy_quantile < 1; advantages (N,) or (N, T). -> (loss 0-dim, metrics of
-    detached 0-dim tensors over valid tokens: clip_low, clip_high, clip (token-weighted at both levels; cispo's: rho >
-    cispo_cap with A > 0, as TRL), kl and kl_max if beta > 0, entropy if given, ratio_mean/min/max)"""
+    or cispo_/sapo_surrogate's; e_t (top_entropy_mask) and w_t (behaviour_weights, detached) scale the policy term
+    only, as TRL. (N, T) each: logp, old_logp (None: logp.detach(), mu=1), ref_logp, or kl (full_kl's, with grad) if
+    kl_estimator="full", entropy; advantages (N,) or (N, T) -> (loss, metrics: detached 0-dim, over valid tokens:
+    clip_low, clip_high, clip (cispo: rho > cispo_cap with A > 0, as TRL), kl, kl_max, entropy, ratio_mean/min/max)"""
     _check(logp.dim() == 2, f"logp must have shape (N, T), got {tuple(logp.shape)}")
     N, T = logp.shape
-    _check_shape("advantages", advantages, (N, T) if advantages.dim() == 2 else (N,))
-    for name, x in (("mask", mask), ("old_logp", old_logp), ("ref_logp", ref_logp), ("entropy", entropy), ("kl", kl),
-                    ("behaviour_weights", behaviour_weights)):
-        _check_shape(name, x, (N, T))
+    _check_shape((N, T) if advantages.dim() == 2 else (N,), advantages=advantages)
+    _check_shape((N, T), mask=mask, old_logp=old_logp, ref_logp=ref_logp, entropy=entropy, kl=kl,
+                 behaviour_weights=behaviour_weights)
     full, beta, est = obj.kl_estimator == "full", obj.beta, obj.kl_estimator
     _check(kl is None or full, f"kl is read only with kl_estimator='full', got kl_estimator={est!r}")
     _check(not (beta > 0 and full and kl is None), "kl_estimator='full' needs kl=full_kl(logits, ref_logits)")
@@ -276,10 +260,8 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, obj, *, entropy=None, 
         per_token = per_token * top_entropy_mask(entropy, mask, obj.top_entropy_quantile)
     if behaviour_weights is not None:
         per_token = per_token * torch.where(mask, _up(behaviour_weights.detach()), 0.0)
-    if beta > 0:
-        if not full:
-            kl = kl_estimate(logp, torch.where(mask, _up(ref_logp), 0.0), obj.kl_estimator)  # (N, T)
-        kl = torch.where(mask, _up(kl), 0.0)  # a caller's full KL may hold garbage at padding
+    if beta > 0:  # a caller's full KL may hold garbage at padding: aggregate and the metrics mask it
+        kl = _up(kl) if full else kl_estimate(logp, torch.where(mask, _up(ref_logp), 0.0), obj.kl_estimator)  # (N, T)
         per_token = per_token + beta * kl
     if obj.entropy_coef != 0:
         per_token = per_token - obj.entropy_coef * torch.where(mask, _up(entropy), 0.0)

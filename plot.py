@@ -13,7 +13,7 @@ import argparse
 import os
 import sys
 
-from run import read_jsonl
+from run import check, fresh, read_jsonl, user_path
 
 def read_metrics(path):
     """A run dir or its metrics.jsonl -> its rows (dicts with a step), sorted by step; ValueError if none."""
@@ -39,15 +39,19 @@ def running_mean(values, window):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", help="train.py out dirs or metrics.jsonl files")
+    p.add_argument("runs", nargs="+", type=user_path, help="train.py out dirs or metrics.jsonl files")
     p.add_argument("--key", default="reward", help="metric of the first panel (e.g. reward/correct, kl)")
     p.add_argument("--eval-key", default=None, help="metric of the eval panel (default: eval/strict_acc if logged)")
     p.add_argument("--smooth", type=int, default=5, help="running-mean window in steps")
-    p.add_argument("--out", default="curves.png", help="the image; its extension picks the format (png, pdf, svg...)")
+    p.add_argument("--out", type=user_path, help="the image; its extension picks the format (png, pdf, svg...); "
+                   "default: curves.png, or a new name when that exists")
     p.add_argument("--title", default=None)
     args = p.parse_args()
-    if args.smooth < 1:
-        p.error(f"--smooth must be >= 1 (steps in the running mean; 1 = raw), got {args.smooth}")
+    check(p, args, {"smooth": ">= 1"})
+    paths = [os.path.abspath(r) for r in args.runs]
+    if len(set(paths)) < len(paths):  # two curves of one run would hide each other
+        p.error(f"{next(r for r in paths if paths.count(r) > 1)} is given twice; give each run once")
+    args.out = args.out or fresh("curves.png")  # a default never replaces a file
     try:
         import matplotlib
         matplotlib.use("Agg")  # no display needed

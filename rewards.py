@@ -4,8 +4,7 @@ and their weighted sum. Extraction as lm-eval-harness gsm8k strict-match (lm_eva
 flexible-extract, and Qwen2.5-Math's last `\boxed{...}` (QwenLM/Qwen2.5-Math evaluation/parser.py):
 >>> text = "4 + 4 = 8\n#### 8\nQuestion: ...\n#### 2, \\boxed{\\frac{3}{4}}: she pays $1,200.50"
 >>> extract_strict(text), extract_boxed(text), extract_flexible(text), answers_match("$1,000.", "1000")
-('8', '\\frac{3}{4}', '$1,200.50', True)
-"""
+('8', '\\frac{3}{4}', '$1,200.50', True)"""
 
 import math
 import numbers
@@ -16,9 +15,7 @@ STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")  # lm-eval-harness strict-match,
 NUMBER_RE = re.compile(r"-?\$?\d(?:[\d,]*\d)?(?:\.\d+)?")  # optional sign and `$`, thousands commas, decimals
 FRAC_RE = re.compile(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}")
 
-# -----------------------------------------------------------------------------
-# answer extraction
-
+# ----------------------------------------------------------------------------- answer extraction
 def extract_gold(solution_text):
     """Gold answer of a GSM8K solution: the text after the last `####`, commas stripped ("#### 1,005" -> "1005")."""
     gold = solution_text.rsplit("####", 1)[1].strip().replace(",", "") if "####" in solution_text else None
@@ -67,9 +64,7 @@ def answers_match(pred, gold):
     except (ValueError, ZeroDivisionError):
         return p == g
 
-# -----------------------------------------------------------------------------
-# reward functions: fn(completions, **fields) -> list[float]
-
+# ----------------------------------------------------------------------------- reward fns: fn(completions, **fields)
 def correctness_reward(completions, answer, **_):
     """1.0 where the final-answer line (strict `#### N`, else `\\boxed{}`) matches the gold answer."""
     return [float(answers_match(extract_answer(c), a)) for c, a in zip(completions, answer)]
@@ -82,8 +77,7 @@ def overlong_reward(max_len, buffer):
     """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13) as a reward fn: with L = max_len, B = buffer,
     |y| = num_tokens (stop token included), R = 0 if |y| <= L - B, (L - B - |y|) / B if |y| <= L, else -1.
     >>> overlong_reward(48, 16)(["a"] * 4, num_tokens=[32, 33, 40, 49])
-    [0.0, -0.0625, -0.5, -1.0]
-    """
+    [0.0, -0.0625, -0.5, -1.0]"""
     if max_len < 1 or not 0 < buffer <= max_len:
         raise ValueError(f"overlong reward needs max_len >= 1 and 0 < buffer <= max_len, got {max_len=}, {buffer=}")
 
@@ -92,9 +86,7 @@ def overlong_reward(max_len, buffer):
                 for n in map(float, num_tokens)]
     return overlong
 
-# -----------------------------------------------------------------------------
-# combining
-
+# ----------------------------------------------------------------------------- combining
 def parse_weights(spec, reward_fns):
     """"correct=1,format=0.1" -> {name: weight}; ValueError names the item that is not name=finite number."""
     weights = {}
@@ -127,10 +119,9 @@ def _number(v):  # v as a finite float, or None: real numbers only (a str, a lis
     return float(v) if isinstance(v, numbers.Real) and math.isfinite(v) else None
 
 def combine_rewards(reward_fns, weights, completions, **fields):
-    """total[i] = sum_k weights[k] * reward_fns[k](completions, **fields)[i] -> (total, per_fn: each fn's values).
-    Every fn needs a weight (0.0 only logs it). A fn that raises, or returns anything but a list/tuple (or 1-D
-    tensor/array) of N finite real numbers, is a RewardError naming it: a nan, a dict's keys, a str's characters
-    would otherwise train silently."""
+    """total[i] = sum_k weights[k] * reward_fns[k](completions, **fields)[i] -> (total, per_fn: each fn's values); each
+    fn needs a weight (0.0 only logs it). A fn that raises or returns anything but N finite real numbers (list, tuple,
+    1-D tensor/array) is a RewardError naming it: a nan, a dict's keys, a str's characters would train silently."""
     if set(weights) != set(reward_fns):
         raise ValueError(f"weights for {sorted(weights)}, reward fns {sorted(reward_fns)}; "
                          "give each fn one weight (0.0 only logs it)")
@@ -141,9 +132,8 @@ def combine_rewards(reward_fns, weights, completions, **fields):
     for key, values in fields.items():
         if isinstance(values, (list, tuple)) and len(values) != n:
             raise ValueError(f"field {key!r} has {len(values)} values for {n} completions; give one per completion")
-    total, per_fn = [0.0] * n, {}
+    total, per_fn, hint = [0.0] * n, {}, f"return a list of {n} numbers"
     for name, fn in reward_fns.items():
-        bad = lambda what: RewardError(f"reward {name!r} {what}; return a list of {n} numbers")  # noqa: E731
         try:
             raw = fn(completions, **fields)
         except Exception as e:
@@ -152,14 +142,14 @@ def combine_rewards(reward_fns, weights, completions, **fields):
             raise RewardError(f"reward {name!r} raised {msg} on {where}; fix the function or its weight") from e
         raw = raw.tolist() if getattr(raw, "ndim", None) == 1 and hasattr(raw, "tolist") else raw  # 1-D tensor/array
         if not isinstance(raw, (list, tuple)):
-            raise bad(f"returned a {type(raw).__name__}, not a list of numbers")
+            raise RewardError(f"reward {name!r} returned a {type(raw).__name__}, not a list of numbers; {hint}")
         if len(raw) != n:
-            raise bad(f"returned {len(raw)} values for {n} completions")
+            raise RewardError(f"reward {name!r} returned {len(raw)} values for {n} completions; {hint}")
         values = [_number(v) for v in raw]
         if None in values:
             i = values.index(None)
-            raise bad(f"gave {raw[i]!r:.40} ({type(raw[i]).__name__}) for completion {i} {_show(completions[i])}, "
-                      "not a finite number")
+            raise RewardError(f"reward {name!r} gave {raw[i]!r:.40} ({type(raw[i]).__name__}) for completion {i} "
+                              f"{_show(completions[i])}, not a finite number; {hint}")
         per_fn[name] = values
         total = [t + float(weights[name]) * v for t, v in zip(total, values)]
     return total, per_fn

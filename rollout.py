@@ -38,6 +38,10 @@ class Rollout:
     def attention_mask(self):  # what the model attends to: prompt, its own tokens and the tools' replies
         return torch.cat([self.prompt_mask, self.completion_mask + self.env_mask.long()], 1)  # (N, P+C)
 
+    def __getitem__(self, rows):  # the rows `rows` (a LongTensor) of every field
+        return Rollout(**{f.name: [self.completions[i] for i in rows.tolist()] if f.name == "completions" else
+                          getattr(self, f.name)[rows] for f in fields(self)})
+
 def encode_prompts(tokenizer, prompts, env=None):
     """Prompts (chat messages or strings) -> token-id lists; without a chat template messages join by newlines.
     env (tools.ToolEnv): its tools shown as the template can show them."""
@@ -174,17 +178,32 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
                    prompt_cut=cut.repeat_interleave(G, 0).to(device), env_mask=is_env, tool_calls=calls.to(device),
                    tool_errors=errors.to(device))
 
-def concat(rollouts, rows):
-    """Rollouts of different widths -> one Rollout of the rows `rows[i]` of rollout i: prompts re-padded on
-    the left, completions on the right (masked, log-prob 0)."""
-    out = {"completions": [r.completions[j] for r, i in zip(rollouts, rows) for j in i.tolist()]}
+def concat(rollouts):
+    """Rollouts of different widths -> one: prompts re-padded on the left, completions on the right (masked,
+    log-prob 0)."""
+    out = {"completions": [c for r in rollouts for c in r.completions]}
     for name in [f.name for f in fields(Rollout) if f.name != "completions"]:
         parts = [getattr(r, name) for r in rollouts]  # (n_i, w_i) or (n_i,)
         w = max(x.size(-1) for x in parts)
         left = name.startswith("prompt")  # prompts are left-padded, completions right-padded
-        parts = [F.pad(x, (w - x.size(1), 0) if left else (0, w - x.size(1))) if x.dim() == 2 else x for x in parts]
-        out[name] = torch.cat([x[i] for x, i in zip(parts, rows)])
+        out[name] = torch.cat([F.pad(x, (w - x.size(1), 0) if left else (0, w - x.size(1))) if x.dim() == 2 else x
+                               for x in parts])
     return Rollout(**out)
+
+@torch.no_grad()
+def batch_logprobs(model, r, micro_batch, temperature=1.0, share=True, dtype=None, hidden=False):
+    """Teacher-forced log-probs (N, C) of a Rollout's completions under `model`, no grad, in `dtype` autocast on the
+    model's device, micro-batch by micro-batch; only the results travel to the rollout's device. hidden=True: the
+    final hidden states instead, one (rows, c, H) per micro-batch (the full KL's reference)."""
+    device = r.completion_ids.device
+    out = [] if hidden else torch.zeros(r.completion_ids.shape, device=device)  # (N, C)
+    with _autocast(model, dtype):
+        for rows, ids, mask, c in micro_batches(r, micro_batch):
+            if hidden:
+                out.append(completion_hidden(model, ids, mask, c, share).to(device))
+            else:
+                out[rows, :c] = token_logprobs(model, ids, mask, c, temperature, share=share)[0]
+    return out
 
 def micro_batches(r, size):
     """Yield (rows, input_ids, attention_mask, c) for each slice of `size` rows of a Rollout, trimmed to the
@@ -274,8 +293,9 @@ def _hidden(model, ids, mask, C, share):
 def completion_hidden(model, input_ids, attention_mask, num_completion, share=True):
     """Final hidden states (N, C, H) at the positions that predict the last C = num_completion tokens."""
     _check_outer(model)
+    device = next(model.parameters()).device
     with _root_gathered(model):
-        return _hidden(model, input_ids, attention_mask, num_completion, share)
+        return _hidden(model, input_ids.to(device), attention_mask.to(device), num_completion, share)
 
 def token_logprobs(model, input_ids, attention_mask, num_completion, temperature=1.0, with_entropy=False, ref=None,
                    share=True):

@@ -34,6 +34,11 @@ PATHS = ("config", "data_dir", "model", "out_dir", "resume")  # ~ and $VARS expa
 def user_path(path):
     return os.path.expandvars(os.path.expanduser(path)) if isinstance(path, str) else path
 
+def fresh(path):
+    """path, or where it exists path's stem with -1, -2, ...: what a tool writes by default replaces nothing."""
+    stem, ext = os.path.splitext(path)
+    return next(p for i in range(10**6) if not os.path.exists(p := f"{stem}-{i}{ext}" if i else path))
+
 # -----------------------------------------------------------------------------
 # flags
 
@@ -118,7 +123,8 @@ def _in_range(v, spec):
 
 def check(p, args, ranges, constants=None, nullable=None):
     """Every value's type (config files bypass argparse's conversion), choices and range -> p.error."""
-    items = [(a.dest, a.option_strings[-1], a.type or (bool if a.const in (True, False) else str), a.choices,
+    items = [(a.dest, a.option_strings[-1], a.type if a.type in KINDS else bool if a.const in (True, False) else str,
+              a.choices,
               ranges.get(a.dest), a.default is None if nullable is None else a.dest in nullable)
              for a in p._actions if a.dest not in ("help", "config") and hasattr(args, a.dest)]
     items += [(k, f"config key {k}", type(d), spec if isinstance(spec, tuple) else None,
@@ -177,7 +183,9 @@ def _own(name, temp_only=False):
         name[:-4] in OWN or name.startswith("dcp-"))
     return temp or not temp_only and (name in OWN or name.startswith("dcp-"))
 
-def remove(path):
+def remove(path):  # a file or a folder, if there is one
+    if not path:
+        return
     if os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)
     elif os.path.exists(path):
@@ -363,10 +371,10 @@ def export_hf(model, tokenizer, path, dtype, adapter=False, state_dict=None):
             os.replace(path, old)
         os.replace(tmp, path)
         tmp = None
-        remove(old or "")
+        remove(old)
         return None
     except BaseException as e:
-        remove(tmp or "")
+        remove(tmp)
         if old and not os.path.exists(path) and os.path.exists(old):
             os.replace(old, path)  # put the previous export back
         if not isinstance(e, Exception):

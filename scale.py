@@ -159,8 +159,10 @@ def save_dcp(model, optimizer, out_dir, step):
         error = None
     except Exception as e:  # DCP gathers every rank's write errors (a full disk) and raises on all ranks
         error = f"could not write {tmp} ({type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''})"
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True) if error else os.replace(tmp, path)
+    if dist.get_rank() == 0 and error:
+        shutil.rmtree(tmp, ignore_errors=True)
+    elif dist.get_rank() == 0:
+        os.replace(tmp, path)
     dist.barrier()
     return (None, error + "; the last good checkpoint is kept") if error else (name, None)
 

@@ -1,8 +1,7 @@
 """Tasks: where examples come from, how they are put to the model, how answers are scored (`evaluate`: a model's
 accuracy on a task); `TASKS` maps a name to a `Task`. To add one: a `load`, a system prompt, reward fns, a `TASKS` line.
 - gsm8k: grade-school math (Cobbe et al. 2021, github.com/openai/grade-school-math).
-- arith: generated "What is 7 + 5?": SmolLM2-135M-Instruct often knows the sum but rarely writes the strict
-  `#### N` line, so a 135M model shows learning on a CPU in minutes (README: results).
+- arith: generated "What is 7 + 5?": a 135M model knows sums but rarely writes `#### N`: it learns on a CPU in minutes.
 - arith_steps: generated "What is 3 + 4 * 2 - 5?", a reward per line for process supervision (DeepSeekMath §4.1.3).
 - arith_tool: generated "What is 482 * 937?", with a calculator tool (tools.py); arith_mul: the same without it."""
 
@@ -47,9 +46,9 @@ def tool_prompt(example):  # one worked call as earlier turns (HF's tool-call fo
             {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "69104"},
             {"role": "assistant", "content": "#### 69104"}, {"role": "user", "content": example["question"]}]
 
-def calculator():  # a task's tools, as a function: tools.py is imported only when a task with tools runs
-    from tools import calculator
-    return [calculator]
+def calculator(tokenizer, max_calls=4):  # a task's tools in their environment; imports tools.py only when run
+    import tools
+    return tools.ToolEnv([tools.calculator], tokenizer, max_calls)
 
 class DataError(ValueError):
     """A user-facing data problem; train.py/eval.py print its one-line message and exit."""
@@ -61,7 +60,7 @@ class Task(NamedTuple):
     reward_weights: dict      # name -> default weight (train.py --reward-weights overrides by name)
     score: Callable           # score(completion, example) -> dict for eval.py
     step_rewards: Callable | None = None  # (completion, example) -> [(char_end, reward), ...]: see step_positions
-    tools: Callable | None = None  # () -> the task's tools, plain functions (tools.py)
+    tools: Callable | None = None  # (tokenizer, max_calls) -> a tools.ToolEnv of the task's tools, plain functions
 
 def _check(split, ops="+", n=None, data_dir=None):  # the generators' checks -> n, 200 test / 10,000 train by default
     if data_dir:
@@ -172,24 +171,21 @@ STEP_RE = re.compile(rf"{NUM}([-+*x×]){NUM}={NUM}")  # a op b = c
 FINAL_RE = re.compile(r"\s*#### (-?\d+)")  # #### N, one space as strict-match reads it
 STEP_OPS = {**OPS, "x": OPS["*"], "×": OPS["*"]}
 
+def _line_reward(line, gold):  # one line's reward in arith_step_rewards
+    if step := STEP_RE.fullmatch(line):
+        a, op, b, c = step.groups()
+        return float(STEP_OPS[op](int(a), int(b)) == int(c))
+    final = FINAL_RE.fullmatch(line)
+    return float(final is not None and answers_match(final.group(1), gold))
+
 def arith_step_rewards(completion, example):
     """(char_end, reward) per non-empty line, char_end the end of its text (trailing spaces, `\\r` left out):
     `a op b = c` 1.0 if the arithmetic is right (on its own: the outcome reward ties steps to the question),
     `#### N` 1.0 if N is the gold answer, any other line (`####N` too) 0.0. No such line: one step at the end.
     >>> arith_step_rewards("4 * 2 = 8\\n3 + 8 = 12\\n#### 11", {"answer": "11"})  # 3 + 4 * 2
-    [(9, 1.0), (20, 0.0), (28, 1.0)]
-    """
-    steps = []
-    for m in re.finditer(r"[^\n]*\S", completion):  # a line up to its last non-space character
-        if step := STEP_RE.fullmatch(m.group()):
-            a, op, b, c = step.groups()
-            reward = float(STEP_OPS[op](int(a), int(b)) == int(c))
-        elif final := FINAL_RE.fullmatch(m.group()):
-            reward = float(answers_match(final.group(1), example["answer"]))
-        else:
-            reward = 0.0
-        steps.append((m.end(), reward))
-    return steps or [(len(completion), 0.0)]
+    [(9, 1.0), (20, 0.0), (28, 1.0)]"""
+    lines = re.finditer(r"[^\n]*\S", completion)  # each line up to its last non-space character
+    return [(m.end(), _line_reward(m.group(), example["answer"])) for m in lines] or [(len(completion), 0.0)]
 
 def step_positions(step_rewards, tokenizer, completion_ids, lengths, completions, examples, group_size):
     """Steps as tensors for grpo.process_advantages: row i's steps are step_rewards(completions[i], examples[i //
@@ -241,9 +237,7 @@ def evaluate(model, tokenizer, task, examples, max_new_tokens=256, batch_size=32
     """Score `examples` -> (summary, one record per example); n=1 is greedy, n>1 samples n completions
     each (mean accuracies, pass@k). dtype: sampling's compute dtype. progress: a bar on stderr. A task with
     tools runs them (env: a tools.ToolEnv, else one with its defaults): the rate of samples that called one too."""
-    if task.tools and env is None:
-        from tools import ToolEnv
-        env = ToolEnv(task.tools(), tokenizer)
+    env = task.tools(tokenizer) if task.tools and env is None else env
     stops = stop_token_ids(tokenizer, model)
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     per_batch, records, correct = max(1, batch_size // n), [], []  # correct: how many of an example's n are right

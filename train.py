@@ -13,10 +13,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import grpo, rollout, run  # noqa: E401
-from models import DTYPES, ModelError, check_dtype, load_model, load_tokenizer, native_bf16, resolve_device, \
-    resolve_dtype
+from models import DTYPES, check_dtype, load_model, load_tokenizer, native_bf16, resolve_device, resolve_dtype
 from rewards import RewardError, combine_rewards, overlong_reward, parse_weights
-from tasks import TASKS, DataError, evaluate, step_positions
+from tasks import TASKS, evaluate, step_positions
 
 # -----------------------------------------------------------------------------
 # flags: defaults here, then --config files, then the command line (run.parse checks every value)
@@ -109,15 +108,14 @@ for bad, why in [  # one line each, before anything loads
     if bad:
         p.error(why)
 given = {k for k, v in vars(args).items() if v != defaults.get(k, v)}  # set by a config file or a flag
-for names, why in [(("kl_estimator", "ref_device", "ref_sync_every"), args.beta == 0 and "--beta 0: no reference"),
-                   (("cispo_cap",), args.loss_type != "cispo" and "not --loss-type cispo"),
-                   (("sapo_temperature_pos", "sapo_temperature_neg"), args.loss_type != "sapo" and "not sapo"),
-                   (("is_cap",), args.is_mode == "none" and "--is-mode none"),
-                   (("max_resample",), not args.dynamic_sampling and "no --dynamic-sampling"),
-                   (("eval_every",), args.eval_n == 0 and "--eval-n 0: no evals"),
-                   (("max_tool_calls",), not task.tools and f"task {args.task} has no tools")]:
-    for name in sorted(given.intersection(names)) if why and master else []:
-        print(f"note: {name} has no effect in this run ({why})")
+notes = [f"note: {name} has no effect in this run ({why})" for names, why in [
+    ("kl_estimator ref_device ref_sync_every", args.beta == 0 and "--beta 0: no reference"),
+    ("cispo_cap", args.loss_type != "cispo" and "not --loss-type cispo"),
+    ("sapo_temperature_pos sapo_temperature_neg", args.loss_type != "sapo" and "not --loss-type sapo"),
+    ("is_cap", args.is_mode == "none" and "--is-mode none"), ("eval_every", args.eval_n == 0 and "--eval-n 0"),
+    ("max_resample", not args.dynamic_sampling and "no --dynamic-sampling"),
+    ("max_tool_calls", not task.tools and f"task {args.task} has no tools")] if why
+    for name in sorted(given.intersection(names.split()))]
 reward_fns, weights = dict(task.reward_fns), dict(task.reward_weights)
 if args.overlong_buffer:  # DAPO eq. 13 beside the task's rewards (weight 1 unless --reward-weights says)
     reward_fns["overlong"], weights["overlong"] = overlong_reward(args.max_new_tokens, args.overlong_buffer), 1.0
@@ -132,66 +130,55 @@ try:
     tokenizer = load_tokenizer(args.model)  # the model, data and out dir are checked before anything is created
     train_set = task.load("train", data_dir=args.data_dir)
     test_set = task.load("test", data_dir=args.data_dir)[:args.eval_n] if master and args.eval_n else []
-except (ValueError, ModelError, DataError) as e:
+except ValueError as e:  # ModelError, DataError: what was named cannot be used
     p.error(str(e))
+if len(train_set) < args.prompts_per_step:
+    p.error(f"the train split has {len(train_set)} examples, fewer than --prompts-per-step {args.prompts_per_step}")
 args.dtype = str(dtype).removeprefix("torch.")  # run.json records what ran: a resume keeps it
-# a reference on another device computes in --dtype where that is native there, else in fp32
 ref_dtype = dtype if ref_device == device or dtype == torch.float32 or native_bf16(ref_device) else torch.float32
+notes += [note, ref_dtype != dtype and f"note: the reference on {ref_device} computes in fp32 (no native {dtype})"]
 if master and (problem := run.claim(args.out_dir, args.resume, args.overwrite)):  # else locked until the end
     p.error(problem)
-for line in [note, ref_dtype != dtype and f"note: the reference on {ref_device} computes in fp32"] if master else []:
-    if line:
-        print(line)
+for line in filter(None, notes if master else []):
+    print(line)
 if ddp:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     dist.barrier()  # rank 0 has made the out dir
 if args.fsdp or args.lora_rank or ddp:
     import scale
 gathered = scale.gathered if args.fsdp else nullcontext  # --fsdp: sampling needs whole weights
-env = None
-if task.tools:  # tools.py: a row that calls a tool is fed its reply and decodes on
-    import tools
-    env = tools.ToolEnv(task.tools(), tokenizer, args.max_tool_calls)
+env = task.tools(tokenizer, args.max_tool_calls) if task.tools else None  # a ToolEnv (tools.py) feeds tool replies
 torch.manual_seed(args.seed + rank)
 autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
-ref_autocast = torch.autocast(ref_device.type, dtype=ref_dtype, enabled=ref_dtype != torch.float32)
 
 # -----------------------------------------------------------------------------
 # models
 try:
     home = torch.device("cpu") if args.fsdp else device  # --fsdp: each rank moves only its shards to device
-    # fp32 master weights, which sampling reads too (LoRA: the frozen base's matmul weights in dtype)
-    policy = load_model(args.model, home, torch.float32, matmul_dtype=dtype if args.lora_rank else None)
+    policy = load_model(args.model, home, torch.float32, matmul_dtype=dtype if args.lora_rank else None)  # fp32 master
     if args.lora_rank:  # the same adapters on every rank; the reference is the base, adapters off
         policy = scale.add_lora(policy, args.lora_rank, seed=args.seed)
-    # the reference: matmul weights stored as autocast casts them, so at step 0 the KL is exactly 0
-    ref = None if args.beta == 0 else policy if args.lora_rank else load_model(
+    ref = None if args.beta == 0 else policy if args.lora_rank else load_model(  # matmul weights as autocast casts
         args.model, home if args.fsdp else ref_device, dtype if args.fsdp else torch.float32, trainable=False,
         matmul_dtype=ref_dtype)
     for m in [policy] + ([ref] if ref is not None else []) if args.fsdp else []:
         scale.shard(m, device, dtype)  # each decoder layer a unit, the root the rest (scale.py)
-except ModelError as e:
-    p.error(str(e))
-ref_off = policy.disable_adapter if args.lora_rank else nullcontext  # runs the LoRA policy as the reference
-context = getattr(policy.config, "max_position_embeddings", None) or 10**9
-max_prompt = context - args.max_new_tokens  # a longer prompt keeps its last max_prompt tokens
-if max_prompt < 1:
-    p.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's {context} tokens")
-if len(train_set) < args.prompts_per_step:
-    p.error(f"the train split has {len(train_set)} examples, fewer than --prompts-per-step {args.prompts_per_step}")
-stops = rollout.stop_token_ids(tokenizer, policy)
-if args.gradient_checkpointing:
-    policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-policy.train(args.gradient_checkpointing)  # eval mode, so no dropout (as TRL), except for HF's checkpointing
-full_kl = args.kl_estimator == "full" and ref is not None
-ref_head = ref.get_output_embeddings() if full_kl else None  # the full KL's: where the policy's hidden states are
-if full_kl and ref_device != device:
-    ref_head = copy.deepcopy(ref_head).to(device)
-try:  # the log-prob passes run each group's prompt once, through the KV cache, where a probe finds that exact
+    if args.gradient_checkpointing:
+        policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    policy.train(args.gradient_checkpointing)  # eval mode, so no dropout (as TRL), except for HF's checkpointing
+    # the log-prob passes run each prompt once through the KV cache where a probe finds that exact (or refuse an edit)
     why = rollout.sharing_problem(policy, dtype) or ref not in (None, policy) and rollout.sharing_problem(ref,
                                                                                                       ref_dtype)
-except ValueError as e:  # an edit the log-prob pass would not run: a hook on the whole model, ...
+except ValueError as e:  # ModelError too
     p.error(str(e))
+ref_off = policy.disable_adapter if args.lora_rank else nullcontext  # runs the LoRA policy as the reference
+max_prompt = (getattr(policy.config, "max_position_embeddings", None) or 10**9) - args.max_new_tokens  # kept: the last
+if max_prompt < 1:
+    p.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's context")
+stops = rollout.stop_token_ids(tokenizer, policy)
+full_kl = args.kl_estimator == "full" and ref is not None
+if full_kl and ref_device != device:  # the full KL's reference head runs where the policy's hidden states are
+    ref.set_output_embeddings(copy.deepcopy(ref.get_output_embeddings()).to(device))  # (untied: a copy)
 share = not why
 params = [q for q in policy.parameters() if q.requires_grad]
 optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay,
@@ -243,36 +230,17 @@ def collect(step):
         except RewardError as e:
             sys.exit(f"error: step {step + 1}: {e}")
         parts.append((r, exs, torch.tensor(total), per_fn))
-        if sum(int(grpo.informative_groups(t, G).sum()) for _, _, t, _ in parts) >= local_prompts:
+        rewards = torch.cat([t for _, _, t, _ in parts])  # (attempts * N,) in sampling order
+        if grpo.informative_groups(rewards, G).sum() >= local_prompts:
             break
     stats = {f"reward/{f}": torch.tensor([v for *_, fn in parts for v in fn[f]]).mean() for f in per_fn}
     if not args.dynamic_sampling:
-        return r, exs, parts[0][2], torch.ones(N, dtype=torch.bool), stats
-    chosen = grpo.pick_groups([t for _, _, t, _ in parts], G, local_prompts)  # [(attempt, group, informative)]
-    rows = [torch.tensor([j * G + g for a, j, _ in chosen if a == i for g in range(G)], dtype=torch.long)
-            for i in range(len(parts))]
-    keep = torch.tensor([f for *_, f in chosen]).repeat_interleave(G)  # (N,)
-    stats.update(reward_sampled=torch.cat([t for _, _, t, _ in parts]).mean(), kept_groups=keep.sum() / G,
-                 extra_rollouts=torch.tensor(len(parts) - 1))
-    return (rollout.concat([x[0] for x in parts], rows), [parts[i][1][j] for i, j, _ in chosen],
-            torch.cat([t[i] for (*_, t, _), i in zip(parts, rows)]), keep, stats)
-
-def logprob_passes(r):
-    """No-grad passes in the training pass's numerics -> the reference's log-probs (N, C) (full KL: its final
-    hidden states, (rows, c, H) a micro-batch) and the old policy's (N, C) when mu > 1."""
-    ref_logp = torch.zeros(r.completion_ids.shape, device=device) if ref is not None and not full_kl else None
-    old_logp, ref_h = torch.zeros(r.completion_ids.shape, device=device) if args.mu > 1 else None, []
-    with torch.no_grad():
-        for rows, ids, mask, c in rollout.micro_batches(r, args.micro_batch):
-            with ref_off(), ref_autocast:  # on the reference's device; only the results travel
-                if full_kl:
-                    ref_h.append(rollout.completion_hidden(ref, ids, mask, c, share).to(device))
-                elif ref is not None:
-                    ref_logp[rows, :c] = rollout.token_logprobs(ref, ids, mask, c, args.temperature, share=share)[0]
-            if old_logp is not None:
-                with autocast:
-                    old_logp[rows, :c] = rollout.token_logprobs(policy, ids, mask, c, args.temperature, share=share)[0]
-    return ref_logp, ref_h, old_logp
+        return r, exs, rewards, torch.ones(N, dtype=torch.bool), stats
+    groups = grpo.pick_groups(rewards, G, local_prompts)  # (local_prompts,) of all attempts' groups
+    rows, exs = (groups[:, None] * G + torch.arange(G)).flatten(), [e for _, x, _, _ in parts for e in x]  # (N,)
+    keep = grpo.informative_groups(rewards, G)[groups].repeat_interleave(G)  # (N,)
+    stats.update(reward_sampled=rewards.mean(), kept_groups=keep.sum() / G, extra_rollouts=torch.tensor(len(parts) - 1))
+    return rollout.concat([x[0] for x in parts])[rows], [exs[i] for i in groups.tolist()], rewards[rows], keep, stats
 
 def update(losses, step):
     """Average over ranks, clip, step -> (grad norm, lr used); a non-finite loss or gradient skips it on all ranks."""
@@ -327,13 +295,17 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     loss_mask = r.completion_mask * keep[:, None] * (~r.truncated[:, None] if args.mask_truncated else 1)  # (N, C)
     num_tokens = all_reduce(loss_mask.sum().float()).clamp(min=1)  # per-rank shares of the batch's counts
     num_sequences = all_reduce(keep.sum().float())
-    ref_logp, ref_h, old_logp = logprob_passes(r)  # 3. the reference's (and, mu > 1, the old policy's)
+    with ref_off():  # 3. the reference's log-probs (N, C) on its device (full KL: its hidden states, per micro-batch)
+        ref_out = None if ref is None else rollout.batch_logprobs(ref, r, args.micro_batch, args.temperature, share,
+                                                                  ref_dtype, hidden=full_kl)
+    old_logp = rollout.batch_logprobs(policy, r, args.micro_batch, args.temperature, share, dtype) if args.mu > 1 \
+        else None  # the old policy's: the ratio's denominator when the batch is reused
     t2 = time.time()
     # 4. mu optimizer steps on this batch, each accumulating gradients over micro-batches
     stats, first_logp, skip = {}, torch.zeros(N, C, device=device), num_sequences.item() == 0
     for it in range(0 if skip else args.mu):  # skip: no group with a reward spread, nothing to learn
         for j, (rows, ids, mask, c) in enumerate(rollout.micro_batches(r, args.micro_batch)):
-            kl_ref = (ref_head, ref_h[j]) if full_kl else None  # the full KL's reference
+            kl_ref = (ref.get_output_embeddings(), ref_out[j]) if full_kl else None  # the full KL's reference
             with autocast:  # entropy is always logged; it enters the loss only through --entropy-* flags
                 logp, entropy, kl = rollout.token_logprobs(policy, ids, mask, c, args.temperature, True, kl_ref,
                                                            share)
@@ -341,7 +313,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
             # the sampler's numerics differ from the trainer's: reweight the policy term (truncated IS)
             w, w_stats = grpo.behaviour_weights(logp.detach() if old is None else old, r.sample_logp[rows, :c], m,
                                                 args.is_mode, args.is_cap)
-            loss, metrics = grpo.grpo_loss(logp, old, None if ref_logp is None else ref_logp[rows, :c],
+            loss, metrics = grpo.grpo_loss(logp, old, None if ref is None or full_kl else ref_out[rows, :c],
                                            adv[rows, :c].expand(-1, c), m, obj, entropy=entropy, kl=kl,
                                            behaviour_weights=w, num_sequences=num_sequences, num_tokens=num_tokens)
             scaler.scale(loss).backward()
@@ -355,8 +327,6 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
         tqdm.write(f"step {step + 1}: skipped, no group with a reward spread after {args.max_resample} resamples")
     if ref is not None and args.ref_sync_every and (step + 1) % args.ref_sync_every == 0:
         ref.load_state_dict(policy.state_dict())  # iterative GRPO (DeepSeekMath §4.2): ref := policy
-        if full_kl:  # and the full KL's copy of its head
-            ref_head.load_state_dict(policy.get_output_embeddings().state_dict())
     t3 = time.time()
     # 5. metrics: per-rank values averaged over ranks (max / min for *_max / *_min); rank 0 writes
     if not skip:  # |sampling log-prob - training log-prob| of the first pass, over the whole batch

@@ -13,6 +13,22 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 # one thread keeps the suite fast and its timing stable on a shared or loaded machine
 torch.set_num_threads(1)
 
+# Tolerances scaled to magnitudes. The same fp32 sums in another order (chunks, micro-batches, a shared prompt, the
+# KV cache, another CPU's kernels) differ by a few eps of the size of their terms, i.e. of the tensor, not of each
+# element: an element that cancels to ~0 keeps the error of its large terms (a per-element rtol fails it), and a
+# tensor of gradients ~20 has 20x the error of one ~1 (a fixed atol fails it). Measured here, in eps of the tensor's
+# largest |value|: <= 13 for log-probs, entropies, KL and hidden states, <= 27 for the decode loop against the
+# teacher-forced pass, <= 39 for gradients (7 on a Zen 3 that failed atol 1e-5 on gradients ~20). The bounds below
+# leave about 5x; a real bug (a wrong position, mask or prompt) moves values by > 1e-2 of their size, ~1000x more.
+EPS32 = torch.finfo(torch.float32).eps  # 2^-23: one fp32 rounding, relative
+VALUES, DECODE, GRADS = 64, 128, 256  # in EPS32 of the largest |value| (x 1.2e-7: 7.6e-6, 1.5e-5, 3.1e-5)
+
+
+def assert_close_scaled(got, want, k=VALUES, msg=None):
+    """Every element of got within k * EPS32 * max|want| of want (rtol 0)."""
+    torch.testing.assert_close(got, want, rtol=0, atol=k * EPS32 * want.detach().abs().max().item(), msg=msg)
+
+
 # ids 0..4 are special; pad == eos like SmolLM2 (`<|im_end|>` is both), and `<|endoftext|>` is a
 # second stop id the way Qwen lists two in generation_config.eos_token_id
 SPECIALS = ["<|endoftext|>", "<bos>", "<|im_start|>", "<|im_end|>", "<unk>"]

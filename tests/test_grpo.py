@@ -88,13 +88,18 @@ def test_informative_groups_hand_example_and_agrees_with_group_advantages():
 def test_pick_groups_first_informative_in_sampling_order_then_the_last_flat_ones():
     # groups of 2: attempt 0 is flat, informative, flat; attempt 1 is informative, flat, informative
     r0, r1 = torch.tensor([1.0, 1, 0, 1, 0, 0]), torch.tensor([1.0, 0, 1, 1, 0, 1])
-    assert pick_groups([r0, r1], 2, 2) == [(0, 1, True), (1, 0, True)]  # enough: the first two informative
-    assert pick_groups([r0, r1], 2, 3) == [(0, 1, True), (1, 0, True), (1, 2, True)]
+
+    def pick(attempts, count):  # as (attempt, group, informative), each attempt of 3 groups
+        return [(g // 3, g % 3, bool(informative_groups(torch.cat(attempts), 2)[g]))
+                for g in pick_groups(torch.cat(attempts), 2, count).tolist()]
+
+    assert pick([r0, r1], 2) == [(0, 1, True), (1, 0, True)]  # enough: the first two informative
+    assert pick([r0, r1], 3) == [(0, 1, True), (1, 0, True), (1, 2, True)]
     # shortfall: all 3 informative, then flat ones from the last back: (1, 1), then (0, 2), then (0, 0)
-    assert pick_groups([r0, r1], 2, 4) == [(0, 1, True), (1, 0, True), (1, 1, False), (1, 2, True)]
-    assert pick_groups([r0, r1], 2, 5) == [(0, 1, True), (0, 2, False), (1, 0, True), (1, 1, False), (1, 2, True)]
-    assert pick_groups([r0], 2, 3) == [(0, 0, False), (0, 1, True), (0, 2, False)]  # one attempt, 1 informative
-    assert pick_groups([r0], 2, 2) == [(0, 1, True), (0, 2, False)]
+    assert pick([r0, r1], 4) == [(0, 1, True), (1, 0, True), (1, 1, False), (1, 2, True)]
+    assert pick([r0, r1], 5) == [(0, 1, True), (0, 2, False), (1, 0, True), (1, 1, False), (1, 2, True)]
+    assert pick([r0], 3) == [(0, 0, False), (0, 1, True), (0, 2, False)]  # one attempt, 1 informative
+    assert pick([r0], 2) == [(0, 1, True), (0, 2, False)]
 
 
 def test_process_advantages_hand_example():

@@ -50,7 +50,10 @@ def sink_model(kind, seed=0):
         LlamaForCausalLM(LlamaConfig(**cfg, tie_word_embeddings=True))
     with torch.no_grad():
         for name, p in model.named_parameters():  # norms and biases random, so they matter
-            p.normal_(1, 0.1) if "norm" in name else p.normal_(0, 0.3) if p.dim() == 1 else None
+            if "norm" in name:
+                p.normal_(1, 0.1)
+            elif p.dim() == 1:
+                p.normal_(0, 0.3)
         x = torch.randn(V, E)
         x[:, 0] = 0
         model.model.embed_tokens.weight.copy_(x / x.norm(dim=1, keepdim=True))  # same norm: same rms, same offset

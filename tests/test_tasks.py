@@ -1,4 +1,6 @@
 import doctest
+import hashlib
+import json
 import os
 import re
 from pathlib import Path
@@ -20,13 +22,36 @@ def test_docstring_examples():
     assert result.attempted > 0 and result.failed == 0  # a module whose examples were all lost runs none
 
 
+FULL = Path(os.environ.get("GSM8K_DIR") or REPO.parent / "shared" / "data" / "gsm8k")  # the canonical files, if here
+FULL_COUNTS = {"train": 7473, "test": 1319}
+# 5 train and 5 test lines, the first of each file, of openai/grade-school-math (MIT License, Copyright (c) 2021
+# OpenAI; https://github.com/openai/grade-school-math), each with its split added: no network in tests
+SAMPLE = REPO / "tests" / "gsm8k_sample.jsonl"
+
+
 @pytest.fixture
-def gsm8k_dir():
-    """The canonical GSM8K jsonl files, kept beside the repo (no network in tests)."""
-    d = Path(os.environ.get("GSM8K_DIR") or REPO.parent / "shared" / "data" / "gsm8k")
-    if not (d / "test.jsonl").is_file():
-        pytest.skip(f"no local GSM8K copy at {d}; set GSM8K_DIR")
-    return d
+def gsm8k_full():
+    """The canonical GSM8K jsonl files kept beside the repo, for what only they have (their sha256, their sizes)."""
+    if not all((FULL / f"{split}.jsonl").is_file() for split in FULL_COUNTS):
+        pytest.skip(f"needs the full canonical GSM8K train.jsonl and test.jsonl (their sha256 is tasks.py's) at "
+                    f"{FULL}; set GSM8K_DIR")
+    return FULL
+
+
+@pytest.fixture
+def gsm8k_dir(tmp_path):
+    """(a GSM8K dir, {split: its number of examples}): the canonical files if kept beside the repo, else train.jsonl
+    and test.jsonl written from tests/gsm8k_sample.jsonl, so these tests run on a fresh clone too."""
+    if all((FULL / f"{split}.jsonl").is_file() for split in FULL_COUNTS):
+        return FULL, FULL_COUNTS
+    lines = {"train": [], "test": []}
+    for line in SAMPLE.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        lines[row.pop("split")].append(json.dumps(row) + "\n")  # the file's own line, byte for byte
+    (tmp_path / "gsm8k").mkdir()
+    for split, rows in lines.items():
+        (tmp_path / "gsm8k" / f"{split}.jsonl").write_text("".join(rows), encoding="utf-8")
+    return tmp_path / "gsm8k", {split: len(rows) for split, rows in lines.items()}
 
 
 @pytest.fixture
@@ -41,22 +66,30 @@ def offline_cache(tmp_path, monkeypatch):
 # gsm8k
 
 def test_gsm8k_counts_and_first_gold(gsm8k_dir):
-    train, test = load_gsm8k("train", gsm8k_dir), load_gsm8k("test", str(gsm8k_dir))
-    assert (len(train), len(test)) == (7473, 1319)
+    d, counts = gsm8k_dir
+    train, test = load_gsm8k("train", d), load_gsm8k("test", str(d))
+    assert (len(train), len(test)) == (counts["train"], counts["test"])  # the full files: 7473, 1319
     assert test[0]["answer"] == "18"
     assert test[0]["question"].startswith("Janet")
     assert test[0]["solution"].endswith("#### 18")
     assert all(e["answer"].lstrip("-").isdigit() for e in train + test)  # all golds are integers
 
 
+def test_gsm8k_sha256_and_counts_are_the_canonical_files(gsm8k_full):
+    for split, n in FULL_COUNTS.items():
+        assert hashlib.sha256((gsm8k_full / f"{split}.jsonl").read_bytes()).hexdigest() == tasks.GSM8K_SHA256[split]
+        assert len(load_gsm8k(split, gsm8k_full)) == n
+
+
 def test_gsm8k_dir_from_env(gsm8k_dir, monkeypatch):
-    monkeypatch.setenv("GSM8K_DIR", str(gsm8k_dir))
-    assert len(load_gsm8k("test")) == 1319
+    d, counts = gsm8k_dir
+    monkeypatch.setenv("GSM8K_DIR", str(d))
+    assert len(load_gsm8k("test")) == counts["test"]
 
 
-def test_gsm8k_bad_split(gsm8k_dir):
-    with pytest.raises(ValueError, match=r"valid splits: \['train', 'test'\]"):
-        load_gsm8k("validation", gsm8k_dir)
+def test_gsm8k_bad_split(tmp_path):
+    with pytest.raises(ValueError, match=r"valid splits: \['train', 'test'\]"):  # before any file is looked for
+        load_gsm8k("validation", tmp_path)
 
 
 def test_gsm8k_missing_file_names_path(tmp_path):
@@ -114,11 +147,14 @@ def test_gsm8k_offline_without_copy_says_what_to_do(offline_cache):
 
 # gsm8k_dir first: offline_cache unsets GSM8K_DIR
 def test_gsm8k_download_checks_sha_and_caches(gsm8k_dir, offline_cache, monkeypatch):
-    monkeypatch.setattr(tasks, "GSM8K_URL", gsm8k_dir.as_uri() + "/{split}.jsonl")  # file:// stands in
-    assert len(load_gsm8k("test")) == 1319
+    d, counts = gsm8k_dir
+    if counts != FULL_COUNTS:  # the sample: its sha256 stands in for the canonical file's (checked where that is)
+        monkeypatch.setitem(tasks.GSM8K_SHA256, "test", hashlib.sha256((d / "test.jsonl").read_bytes()).hexdigest())
+    monkeypatch.setattr(tasks, "GSM8K_URL", d.as_uri() + "/{split}.jsonl")  # file:// stands in
+    assert len(load_gsm8k("test")) == counts["test"]
     assert sorted(p.name for p in offline_cache.iterdir()) == ["test.jsonl"]
     monkeypatch.setattr(tasks, "GSM8K_URL", "http://127.0.0.1:9/{split}.jsonl")
-    assert len(load_gsm8k("test")) == 1319  # second time from the cache, no download
+    assert len(load_gsm8k("test")) == counts["test"]  # second time from the cache, no download
 
 
 def test_gsm8k_download_sha_mismatch(offline_cache, tmp_path, monkeypatch):
@@ -286,7 +322,10 @@ def test_step_positions_is_the_token_that_completes_the_character(smol_tok):
     ids = smol_tok(text, add_special_tokens=False)["input_ids"]
     assert smol_tok.decode(ids) == text
     offsets = smol_tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-    every_char = lambda t, ex: [(i + 1, float(i)) for i in range(len(t))]  # noqa: E731
+
+    def every_char(t, ex):
+        return [(i + 1, float(i)) for i in range(len(t))]
+
     ends, values, mask = step_positions(every_char, smol_tok, torch.tensor([ids + [smol_tok.eos_token_id]]),
                                         [len(ids)], [text], [{}], 1)
     assert mask.all() and values[0].tolist() == list(range(len(text)))
