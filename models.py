@@ -84,7 +84,7 @@ def _gguf_to_hf(gguf_path):
         raise ModelError(f"cannot read {gguf_path} as a GGUF model ({_why(e, 160)}); pass a valid .gguf file") from None
     model.config.quantization_config, model.config.name_or_path = None, gguf_path
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(out), ignore_cleanup_errors=True) as tmp:  # renamed away
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(out), ignore_cleanup_errors=True) as tmp:  # gone once renamed
         model.to(torch.bfloat16).save_pretrained(tmp)  # written aside, then renamed: a kill never leaves half a folder
         tok.save_pretrained(tmp)
         if not os.path.exists(out):  # else a process beside this one converted it first

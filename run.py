@@ -262,7 +262,8 @@ def load_checkpoint(path):
                          "(weights_only=True) refuses: not a checkpoint train.py wrote; nothing in it ran") from None
     except Exception as e:  # truncated, or not a torch file
         raise ValueError(f"checkpoint {path} is unreadable ({type(e).__name__}); pass another one") from None
-    if not isinstance(ckpt, dict) or not {"config", "step"} <= ckpt.keys():
+    if not isinstance(ckpt, dict) or not {"config", "step"} <= ckpt.keys() or not re.fullmatch(
+            r"dcp-\d+", ckpt.get("dcp", "dcp-0")):  # dcp: a folder beside it, by name
         raise ValueError(f"{path} is not a train.py checkpoint (no config and step in it); pass another one")
     return path, ckpt
 
@@ -291,7 +292,10 @@ def restore(ckpt, out_dir, policy, optimizer, scheduler, scaler, ref=None, rank=
     to continue from."""
     if hasattr(policy, "unshard") or hasattr(policy, "peft_config"):
         import scale
-        scale.load_state(ckpt, out_dir, policy, optimizer)
+        try:
+            scale.load_state(ckpt, out_dir, policy, optimizer)
+        except ValueError as e:  # a DCP folder holding more than data, a LoRA state without its adapters
+            sys.exit(f"error: --resume: {e}")
     else:
         policy.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])

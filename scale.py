@@ -11,11 +11,15 @@ evals run inside `gathered`, since ranks stop decoding at different steps and mu
 """
 
 import os
+import pickle
 import shutil
+import warnings
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 # -----------------------------------------------------------------------------
 # LoRA through peft: the adapters train, the base is frozen; the base with its adapters off is the reference
@@ -171,21 +175,44 @@ def remove_old_dcp(out_dir, keep):
         if f.startswith("dcp-") and f != keep:
             shutil.rmtree(os.path.join(out_dir, f), ignore_errors=True)
 
+# DCP unpickles its .metadata and its non-tensor items whole, which could run code: only its own types and data pass
+DCP_TYPES = {("torch", "Size"), ("pathlib", "PosixPath"), ("torch.serialization", "_get_layout"),
+             ("collections", "OrderedDict"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+
+class _Metadata(pickle.Unpickler):
+    def find_class(self, module, name):  # DCP's dataclasses and enums, torch's sizes, dtypes and layouts
+        if (module == "torch.distributed.checkpoint.metadata" and "." not in name or (module, name) in DCP_TYPES
+                or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+
+class _Planner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value):  # DCP's own reads these with weights_only=False: check them first
+        torch.load(value, weights_only=True)
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
 def load_dcp(path, model, optimizer=None):
     """Model (and optimizer) state from a DCP directory: a sharded model reads its shards; without a process
-    group one process reads the whole model (eval.py)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    group one process reads the whole model (eval.py). ValueError in one line for a folder holding more than
+    DCP's own types and plain data (nothing in it runs)."""
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                         set_state_dict)
+    state = {"model": get_model_state_dict(model)} if optimizer is None else dict(zip(
+        ("model", "optim"), get_state_dict(model, optimizer)))
+    try:
+        with open(os.path.join(path, ".metadata"), "rb") as f:
+            _Metadata(f).load()
+        with warnings.catch_warnings():  # one process reading a sharded checkpoint is what eval.py means to do
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=path, planner=_Planner(), no_dist=not dist.is_initialized())
+    except (OSError, pickle.UnpicklingError, dcp.api.CheckpointException) as e:
+        why = str(e).splitlines()[0][:160] if isinstance(e, pickle.UnpicklingError) else type(e).__name__
+        raise ValueError(f"{path} is not a DCP checkpoint train.py wrote ({why}); nothing in it ran") from None
     if optimizer is None:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-        state = {"model": get_model_state_dict(model)}
-        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
         set_model_state_dict(model, state["model"])
-        return
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 # -----------------------------------------------------------------------------
 # --log-to: the metrics also to TensorBoard or Weights & Biases (WANDB_MODE=offline keeps them on this machine)

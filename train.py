@@ -101,7 +101,7 @@ for bad, why in [  # one line each, before anything loads
         (args.fsdp and (args.lora_rank or args.ref_sync_every or args.ref_device or args.dtype == "float16"),
          "--fsdp takes neither --lora-rank, ref_sync_every, --ref-device nor --dtype float16 (use bfloat16)"),
         (args.lora_rank and (args.ref_sync_every or args.ref_device),
-         "--lora-rank: the reference is the policy's base with its adapters off; no ref_sync_every, no --ref-device"),
+         "--lora-rank: the reference is the base (adapters off); it takes no ref_sync_every, no --ref-device"),
         (args.export == "adapter" and not args.lora_rank, "export = 'adapter' needs --lora-rank"),
         (args.lora_rank and not importlib.util.find_spec("peft"), "--lora-rank needs peft: pip install peft"),
         (args.log_to != "none" and not importlib.util.find_spec(args.log_to), f"log_to: pip install {args.log_to}")]:

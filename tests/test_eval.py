@@ -87,14 +87,15 @@ def test_pass_at_k_is_the_fraction_of_k_subsets_with_a_correct_sample():
 
 def stub_sample(correct, calls):
     """rollout.sample for toy prompts: example q's first correct[q] of n completions are right (toy.score)."""
-    def sample(model, tokenizer, prompts, n, max_new_tokens, stops, temperature=1.0, generator=None, dtype=None):
+    def sample(model, tokenizer, prompts, n, max_new_tokens, stops, temperature=1.0, generator=None, dtype=None,
+               env=None):
         calls.append((len(prompts), n, temperature))
         outs = []
         for msgs in prompts:
             q = msgs[-1]["content"]
             right, wrong = ("w2", "w1") if toy.score("w2", {"answer": ANSWERS[q]})["strict"] else ("w1", "w2")
             outs += [right if i < correct[q] else wrong for i in range(n)]
-        return SimpleNamespace(completions=outs)
+        return SimpleNamespace(completions=outs, tool_calls=torch.zeros(len(outs), dtype=torch.long))
     return sample
 
 
@@ -154,7 +155,8 @@ def test_cli_ckpt_evaluates_the_trained_weights(trained, model_dir, capsys):
         assert torch.equal(v, saved[k]) and not torch.equal(v, init[k]), k
 
 
-@pytest.mark.parametrize("what, message", [("missing", "no checkpoint at"), ("corrupt", "is unreadable")])
+@pytest.mark.parametrize("what, message", [("missing", "no checkpoint at"),
+                                           ("corrupt", "not a checkpoint train.py wrote")])
 def test_cli_bad_ckpt_is_a_one_line_error(tmp_path, capsys, what, message):
     if what == "corrupt":
         (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint")

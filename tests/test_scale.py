@@ -243,15 +243,15 @@ def test_bad_scale_flags_are_one_line_errors(model_dir, tmp_path, capsys, extra,
     assert code == 2 and message in last, last
 
 
-@pytest.mark.parametrize("extra", [LORA, ("--config", "ref_sync_every=1"), ("--dtype", "float16")],
-                         ids=["lora", "ref-sync", "float16"])
+@pytest.mark.parametrize("extra", [LORA, ("--config", "ref_sync_every=1"), ("--dtype", "float16"),
+                                   ("--ref-device", "cpu")], ids=["lora", "ref-sync", "float16", "ref-device"])
 def test_what_fsdp_does_not_take_is_refused_before_any_process_group(model_dir, tmp_path, capsys, monkeypatch, extra):
     """Checked before torch.distributed starts: rank 0 of a 2-process run, as torchrun sets it up."""
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("LOCAL_RANK", "0")
     code, last = error_line(TRAIN, train_args(model_dir, str(tmp_path / "out"), "--fsdp", *extra, steps=1), capsys)
-    assert code == 2 and "--fsdp takes neither --lora-rank, ref_sync_every nor --dtype float16" in last, last
+    assert code == 2 and "--fsdp takes neither --lora-rank, ref_sync_every, --ref-device nor --dtype" in last, last
 
 
 def test_lora_without_peft_is_a_one_line_install_hint(model_dir, tmp_path, capsys, monkeypatch):

@@ -364,13 +364,14 @@ def test_step_positions_of_arith_steps_are_each_lines_last_token(smol_tok):
 # the task table
 
 def test_tasks_table():
-    assert set(TASKS) == {"gsm8k", "arith", "arith_steps"}
+    assert set(TASKS) == {"gsm8k", "arith", "arith_steps", "arith_tool", "arith_mul"}
     for task in TASKS.values():
         assert set(task.reward_weights) == set(task.reward_fns)
     weights = [id(task.reward_weights) for task in TASKS.values()]
     assert len(set(weights)) == len(weights)  # editing one task's weights leaves the others
     assert TASKS["arith_steps"].step_rewards is arith_step_rewards
     assert TASKS["gsm8k"].step_rewards is None and TASKS["arith"].step_rewards is None
+    assert [name for name, task in TASKS.items() if task.tools] == ["arith_tool"]
     assert Task(*range(5)).step_rewards is None  # five-field tasks still build
 
 
