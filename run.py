@@ -126,7 +126,7 @@ def check(p, args, ranges, constants=None, nullable=None):
     items = [(a.dest, a.option_strings[-1], a.type if a.type in KINDS else bool if a.const in (True, False) else str,
               a.choices,
               ranges.get(a.dest), a.default is None if nullable is None else a.dest in nullable)
-             for a in p._actions if a.dest not in ("help", "config") and hasattr(args, a.dest)]
+             for a in p._actions if a.option_strings and a.dest not in ("help", "config") and hasattr(args, a.dest)]
     items += [(k, f"config key {k}", type(d), spec if isinstance(spec, tuple) else None,
                spec if isinstance(spec, str) else None, False) for k, (d, spec) in (constants or {}).items()]
     for dest, flag, kind, choices, spec, can_be_none in items:
@@ -214,6 +214,8 @@ def exit_on_interrupt(where):
     def stop(sig, frame):
         for s in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the cleanup short
             signal.signal(s, signal.SIG_IGN)
+        for bar in list(getattr(tqdm, "_instances", [])):  # progress bars end before the line, not after it
+            bar.close()
         print(f"error: interrupted; {where() if callable(where) else where}", file=sys.stderr)
         sys.exit(128 + sig)
     for s in (signal.SIGINT, signal.SIGTERM):

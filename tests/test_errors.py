@@ -546,14 +546,14 @@ def raise_on_call(real, n, error):
     def wrapped(*a, **k):
         calls.append(1)
         if len(calls) == n:
-            raise error
+            toy.fail(error)
         return real(*a, **k)
     return wrapped
 
 
 def test_ctrl_c_mid_step_ends_in_one_line_and_the_run_resumes(model_dir, tmp_path, capsys, monkeypatch):
     out = str(tmp_path)
-    monkeypatch.setattr(grpo, "grpo_loss", raise_on_call(grpo.grpo_loss, 5, KeyboardInterrupt()))
+    monkeypatch.setattr(grpo, "grpo_loss", raise_on_call(grpo.grpo_loss, 5, signal.SIGINT))
     code, line = script_error(TRAIN, train_args(model_dir, out, "--config", "save_every=1", steps=4), capsys)
     monkeypatch.undo()
     assert_interrupted(code, line, out)
@@ -566,7 +566,7 @@ def test_ctrl_c_mid_step_ends_in_one_line_and_the_run_resumes(model_dir, tmp_pat
 
 def test_ctrl_c_mid_save_keeps_the_last_good_checkpoint(model_dir, tmp_path, capsys, monkeypatch):
     out = str(tmp_path)
-    save = toy.save_that_fails(KeyboardInterrupt(), 1 / 2)  # step 2's checkpoint half written
+    save = toy.save_that_fails(signal.SIGINT, 1 / 2)  # step 2's checkpoint half written
     monkeypatch.setattr(torch, "save", save)
     code, line = script_error(TRAIN, train_args(model_dir, out, "--config", "save_every=1", steps=3), capsys)
     monkeypatch.undo()
@@ -589,7 +589,7 @@ def tokenizer_that_cannot_save(monkeypatch, error):
 
 def test_ctrl_c_mid_export_leaves_no_temp_folder(model_dir, tmp_path, capsys, monkeypatch):
     out = str(tmp_path)
-    tokenizer_that_cannot_save(monkeypatch, KeyboardInterrupt())
+    tokenizer_that_cannot_save(monkeypatch, signal.SIGINT)
     code, line = script_error(TRAIN, train_args(model_dir, out, steps=2), capsys)
     assert code == 130 and leftovers(out) == [], (code, line)
     assert not os.path.exists(os.path.join(out, "hf"))  # no half export where a whole one belongs
@@ -729,7 +729,7 @@ def test_eval_bad_input_is_one_line_before_evaluating(model_dir, tmp_path, capsy
 def fail_in_sample(error):
     def patch(monkeypatch):  # the evaluation's first batch raises `error` (tasks.evaluate calls its own `sample`)
         def raise_(*a, **k):
-            raise error
+            toy.fail(error)
         monkeypatch.setattr(tasks, "sample", raise_)
     return patch
 
@@ -740,7 +740,7 @@ def fail_while_writing(error):
 
         def dumps(obj, *a, **k):
             if isinstance(obj, dict) and "question" in obj and dumps.lines:
-                raise error
+                toy.fail(error)
             dumps.lines += isinstance(obj, dict) and "question" in obj
             return real(obj, *a, **k)
         dumps.lines = 0
@@ -760,8 +760,8 @@ def fail_at_rename(monkeypatch):  # the temp file is whole; renaming it into pla
 
 @pytest.mark.parametrize("patch, code, message", [
     (fail_in_sample(RuntimeError("a bug, not a user mistake")), None, None),
-    (fail_in_sample(KeyboardInterrupt()), 130, "error: interrupted; no predictions written"),
-    (fail_while_writing(KeyboardInterrupt()), 130, "error: interrupted; no predictions written"),
+    (fail_in_sample(signal.SIGINT), 130, "error: interrupted; no predictions written"),
+    (fail_while_writing(signal.SIGINT), 130, "error: interrupted; no predictions written"),
     (fail_while_writing(OSError(errno.ENOSPC, "No space left on device")), 1,
      "error: could not write the predictions to {out} (No space left on device)"),
     (fail_at_rename, 1, "error: could not write the predictions to {out} (No space left)"),

@@ -274,11 +274,9 @@ def test_eval_export_needs_a_checkpoint_and_a_new_directory(model_dir, tmp_path,
 # FSDP2: two CPU processes, gloo
 
 
-def torchrun(args, timeout=120, **env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", TOY_TRAIN, *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO, env={**subprocess_env(), **env}, capture_output=True, text=True,
-                          timeout=timeout)
+def torchrun(args, **env):
+    # 300 s as test_train's: 120 s, here in the module fixture three_runs, could end a setup on a loaded machine
+    proc = toy.torchrun(args, **env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

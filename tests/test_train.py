@@ -486,10 +486,7 @@ def test_variant_runs_one_step_and_reaches_the_loss(model_dir, tmp_path, monkeyp
 
 
 def torchrun(args, tmp_path, **env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", TOY_TRAIN, *map(str, args)]
-    return subprocess.run(cmd, cwd=REPO, env={**subprocess_env(), **env}, capture_output=True, text=True,
-                          timeout=300)
+    return toy.torchrun(args, **env)
 
 
 @pytest.mark.slow

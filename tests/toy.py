@@ -114,9 +114,11 @@ def run_script(path, argv):
     traceback a user would have seen. One thread, like the subprocess runs (OMP_NUM_THREADS=1).
     """
     import runpy
+    import signal
     import sys
     from tasks import TASKS
     old_argv, threads, added = sys.argv, torch.get_num_threads(), "toy" not in TASKS
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # the script sets its own
     TASKS["toy"] = TASK
     sys.argv = [os.path.basename(path), *map(str, argv)]
     torch.set_num_threads(1)
@@ -125,6 +127,8 @@ def run_script(path, argv):
     finally:
         sys.argv = old_argv
         torch.set_num_threads(threads)
+        for s, h in handlers.items():
+            signal.signal(s, h)
         import run  # a process releases its out dir's lock when it ends; an in-process run when it returns
         while run.HELD:
             run.HELD.pop().close()
@@ -147,15 +151,48 @@ def subprocess_env():
             "TOKENIZERS_PARALLELISM": "false"}
 
 
+def torchrun(args, timeout=300, **env):
+    """`torchrun --nproc_per_node=2 tests/toy_train.py args` (gloo, CPU) -> CompletedProcess. The rendezvous on port 0
+    takes a free port, so runs side by side do not collide. A 2-step run takes ~15 s on one loaded core; past
+    `timeout` the agent gets SIGTERM, which it passes on to its workers (they run in sessions of their own: killing
+    the agent alone would leave them running and holding the output pipes), and the test fails saying so."""
+    import subprocess
+    import sys
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", TOY_TRAIN, *map(str, args)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env={**subprocess_env(), **env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, err = proc.communicate(timeout=60)
+        raise AssertionError(f"torchrun did not finish in {timeout} s (a loaded machine?); stderr: {err[-2000:]}") \
+            from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def read_metrics(out_dir):
     import json
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
 
+def fail(error):
+    """Raise `error`, or for a signal number deliver that signal to this process, as Ctrl-C or a kill does: its
+    handler runs here, in whatever the script was doing."""
+    import signal
+    import time
+    if not isinstance(error, signal.Signals):
+        raise error
+    os.kill(os.getpid(), error)
+    time.sleep(5)  # the handler runs (and exits) long before this returns
+    raise AssertionError(f"{error.name} was not handled")
+
+
 def save_that_fails(error, fraction):
     """A torch.save that writes the first checkpoint whole, then only `fraction` of the next one's bytes
-    before raising `error` (a kill, a full disk), with the calls' paths in .calls."""
+    before failing with `error` (a signal, a full disk: see fail), with the calls' paths in .calls."""
     import io
     real_save, calls = torch.save, []
 
@@ -167,6 +204,50 @@ def save_that_fails(error, fraction):
         real_save(obj, buf)
         with open(path, "wb") as f:
             f.write(buf.getvalue()[:int(len(buf.getvalue()) * fraction)])
-        raise error
+        fail(error)
     save.calls = calls
     return save
+
+# -----------------------------------------------------------------------------
+# the toy task with tools: a stub of tools.ToolEnv on word tokens (real tag parsing needs a real tokenizer)
+
+
+class WordToolEnv:
+    """tools.ToolEnv's interface (reset, step, render, calls, errors) and step semantics on a word-level tokenizer:
+    a row's own token in `calls` is a call, one in `errors` a call answered with an error; either way the reply, the
+    words `reply` (`<|im_end|>` among them: a reply's end of turn is no stop), is fed one a step from the next step
+    on; a call made with max_calls already made ends the row (`end`), with no reply."""
+
+    def __init__(self, tokenizer, max_calls=4, calls=("w5",), errors=("w7",), reply=("w2", "<|im_end|>", "w4")):
+        ids = tokenizer.convert_tokens_to_ids
+        self.max_calls, self.reply = max_calls, ids(list(reply))
+        self.call_ids, self.error_ids = set(ids(list(calls))), set(ids(list(errors)))
+        self.reset(0)
+
+    def render(self, messages):
+        return messages, {}
+
+    def reset(self, n_rows):
+        self._queue = [[] for _ in range(n_rows)]  # reply ids still to feed, per row
+        self.calls = torch.zeros(n_rows, dtype=torch.long)  # (N,)
+        self.errors = torch.zeros(n_rows, dtype=torch.long)  # (N,)
+
+    def step(self, tok, done):
+        ids, N = tok.tolist(), tok.numel()
+        is_env, end = [False] * N, [False] * N
+        for i, stopped in enumerate(done.tolist()):
+            if stopped:
+                continue
+            if self._queue[i]:
+                ids[i], is_env[i] = self._queue[i].pop(0), True
+            elif ids[i] in self.call_ids | self.error_ids:
+                end[i] = bool(self.calls[i] >= self.max_calls)
+                if not end[i]:
+                    self._queue[i] = list(self.reply)
+                    self.calls[i] += 1
+                    self.errors[i] += ids[i] in self.error_ids
+        return tok.new_tensor(ids), torch.tensor(is_env, device=tok.device), torch.tensor(end, device=tok.device)
+
+
+# the toy task, its rows calling WordToolEnv on w5 (w7: an error); TASKS["toy_tool"] in toy_train.py
+TOOL_TASK = TASK._replace(tools=WordToolEnv)

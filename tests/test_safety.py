@@ -1,0 +1,199 @@
+"""A checkpoint cannot run code, and a run ends in one line however it is stopped.
+
+Planted files hold a pickled call of `_mark`-like payloads (os.system touching a file): the test looks for that
+file after each loader refused the checkpoint. Interruptions are real signals to this process, delivered while
+train.py / eval.py are in each phase of their start (tests/toy.py's `fail`).
+"""
+
+import os
+import pickle
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import toy  # noqa: E402
+from toy import EVAL, TRAIN, read_metrics, run_script, train_args  # noqa: E402
+
+import models  # noqa: E402
+import rollout  # noqa: E402
+import run  # noqa: E402
+import tasks  # noqa: E402
+
+
+class Payload:
+    """Unpickling it runs a shell command that creates `path`: what a shared checkpoint could do."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.path}",)
+
+
+def error_of(path, argv, capsys):
+    """(exit code, last stderr line) of a script that must end in SystemExit."""
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_script(path, argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    code = e.value.code
+    return (1, code) if isinstance(code, str) else (code, err.strip().splitlines()[-1])
+
+
+def plant(ckpt_path, marker, how):
+    os.makedirs(os.path.dirname(ckpt_path), exist_ok=True)
+    state = {"config": {"model": "x", "task": "toy"}, "step": 1, "model": Payload(marker)}
+    if how == "torch.save":  # the zip format train.py writes
+        torch.save(state, ckpt_path)
+    else:  # a bare pickle, the legacy format torch.load also reads
+        with open(ckpt_path, "wb") as f:
+            pickle.dump(state, f, protocol=2)
+
+
+# -----------------------------------------------------------------------------
+# checkpoints: weights only
+
+@pytest.mark.parametrize("how", ["torch.save", "pickle"])
+@pytest.mark.parametrize("entry", ["train --resume", "eval --ckpt"])
+def test_a_planted_checkpoint_runs_nothing_and_is_one_line(model_dir, tmp_path, capsys, how, entry):
+    marker, ckpt = tmp_path / "ran", str(tmp_path / "shared" / "ckpt.pt")
+    plant(ckpt, marker, how)
+    if entry == "train --resume":
+        code, line = error_of(TRAIN, ["--resume", os.path.dirname(ckpt)], capsys)
+    else:
+        code, line = error_of(EVAL, ["--ckpt", ckpt, "--task", "arith"], capsys)
+    assert not marker.exists()  # the payload never ran
+    assert code == 2 and ckpt in line and "nothing in it ran" in line, line
+    if how == "pickle":  # protocol 2 names its globals: the line says what the file held
+        assert "posix.system" in line or "nt.system" in line, line
+
+
+def test_a_checkpoint_train_py_wrote_loads_with_weights_only(model_dir, tmp_path):
+    out = str(tmp_path / "run")
+    run_script(TRAIN, train_args(model_dir, out, "--config", "save_every=1", steps=1))
+    path, ckpt = run.load_checkpoint(out)  # weights_only=True inside
+    assert path == os.path.join(out, "ckpt.pt") and ckpt["step"] == 1
+    # everything in it is a tensor, a number, a string or a plain container (what weights_only allows)
+    plain = (torch.Tensor, int, float, str, bool, type(None))
+
+    def walk(x):
+        if isinstance(x, dict):
+            return all(isinstance(k, (str, int)) and walk(v) for k, v in x.items())
+        if isinstance(x, (list, tuple)):
+            return all(walk(v) for v in x)
+        return isinstance(x, plain)
+    assert walk(ckpt)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the test's own one-process save
+def test_a_planted_dcp_folder_runs_nothing(model_dir, tmp_path, capsys):
+    """An --fsdp run's checkpoint names a DCP folder beside it; DCP unpickles that folder's .metadata itself:
+    a planted one is refused before DCP reads it (eval.py --ckpt; train.py --resume reads it the same way)."""
+    pytest.importorskip("peft", reason="pip install -r requirements-extra.txt")  # scale.py's optional imports
+    import torch.distributed.checkpoint as dcp
+    marker, folder = tmp_path / "ran", tmp_path / "run"
+    model = models.load_model(model_dir, torch.device("cpu"))
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder / "dcp-000001"), no_dist=True)
+    with open(folder / "dcp-000001" / ".metadata", "wb") as f:  # DCP's own file, replaced by a payload
+        pickle.dump(Payload(marker), f)
+    torch.save({"config": {"model": model_dir, "task": "toy", "seed": 0}, "step": 1, "dcp": "dcp-000001"},
+               folder / "ckpt.pt")
+    code, line = error_of(EVAL, ["--ckpt", str(folder), "--task", "arith"], capsys)
+    assert not marker.exists()
+    assert code == 2 and "dcp-000001 is not a DCP checkpoint train.py wrote" in line and "system" in line, line
+    # a name that leaves the run's folder is refused too
+    torch.save({"config": {"model": model_dir}, "step": 1, "dcp": "../elsewhere"}, folder / "ckpt.pt")
+    code, line = error_of(EVAL, ["--ckpt", str(folder), "--task", "arith"], capsys)
+    assert code == 2 and "is not a train.py checkpoint" in line, line
+
+
+def test_a_model_folder_with_a_pickled_payload_runs_nothing(model_dir, tmp_path, capsys):
+    """--model DIR with a pytorch_model.bin: transformers reads it with weights_only, so nothing runs."""
+    marker, folder = tmp_path / "ran", tmp_path / "model"
+    folder.mkdir()
+    for name in os.listdir(model_dir):
+        if not name.endswith(".safetensors"):
+            os.symlink(os.path.join(model_dir, name), folder / name)
+    torch.save({"model.embed_tokens.weight": Payload(marker)}, folder / "pytorch_model.bin")
+    code, line = error_of(TRAIN, train_args(str(folder), str(tmp_path / "out"), steps=1), capsys)
+    assert not marker.exists() and code == 2 and "could not load model" in line, line
+
+# -----------------------------------------------------------------------------
+# interruptions at any moment of a start, and what a kill leaves
+
+
+def deliver(sig):
+    """A stand-in for one phase of the start that receives `sig` while it runs."""
+    def phase(*a, **k):
+        toy.fail(sig)
+    return phase
+
+
+PHASES = {  # where the signal arrives: module, function
+    "model loading": (models, "load_model"),
+    "GSM8K download": (tasks.urllib.request, "urlopen"),
+    "start-up probe": (rollout, "sharing_problem"),
+    "checkpoint restore": (run, "restore"),
+}
+
+
+@pytest.mark.parametrize("phase", sorted(PHASES))
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
+def test_a_signal_in_any_phase_of_the_start_is_one_line(model_dir, tmp_path, capsys, monkeypatch, phase, sig):
+    out = str(tmp_path / "run")
+    argv = train_args(model_dir, out, "--config", "save_every=1", steps=1)
+    if phase == "checkpoint restore":  # a run to resume from
+        run_script(TRAIN, argv)
+        argv = ["--resume", out, "--steps", 2]
+    if phase == "GSM8K download":  # an empty cache: the download starts
+        monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
+        monkeypatch.delenv("GSM8K_DIR", raising=False)
+        argv = train_args(model_dir, out, steps=1) + ["--task", "gsm8k"]
+    monkeypatch.setattr(*PHASES[phase], deliver(sig))
+    code, line = error_of(TRAIN, argv, capsys)
+    assert code == 128 + sig and line.startswith("error: interrupted; "), (code, line)
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")] if os.path.isdir(out) else True
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["INT", "TERM"])
+def test_a_signal_while_eval_loads_its_model_is_one_line(model_dir, tmp_path, capsys, monkeypatch, sig):
+    monkeypatch.setattr(models, "load_model", deliver(sig))
+    monkeypatch.setattr(models, "load_tokenizer", deliver(sig))
+    out = tmp_path / "preds" / "p.jsonl"
+    code, line = error_of(EVAL, ["--model", model_dir, "--task", "arith", "--out", str(out)], capsys)
+    assert (code, line) == (128 + sig, "error: interrupted; no predictions written")
+    assert not (tmp_path / "preds").exists()  # the output's folder is made once the model is there
+
+
+def test_a_kill_mid_export_leaves_nothing_the_next_start_keeps(model_dir, tmp_path):
+    """What a kill during an export leaves (its temp folder, hf.old, a temp checkpoint) is the run's own:
+    the next start removes it; a user's file stays."""
+    out = str(tmp_path / "run")
+    run_script(TRAIN, train_args(model_dir, out, "--config", "save_every=1", steps=1))
+    for folder in ("hf.old", ".hf.abc123", "dcp-000002.tmp"):
+        os.makedirs(os.path.join(out, folder))
+    for name in ("ckpt.pt.tmp", "run.json.tmp", "metrics.jsonl.tmp", "notes.tmp"):  # notes.tmp: not a run's name
+        open(os.path.join(out, name), "w").close()
+    run_script(TRAIN, ["--resume", out, "--steps", 2])
+    assert sorted(f for f in os.listdir(out) if f.endswith((".tmp", ".old")) or f.startswith(".hf.")) == ["notes.tmp"]
+    assert [r["step"] for r in read_metrics(out)] == [1, 2]
+
+
+@pytest.mark.slow
+def test_sigterm_during_model_loading_in_a_real_process(model_dir, tmp_path):
+    """The same as a user sees it: a fresh process killed while it loads; exit 143, one line, no traceback."""
+    code = ("import os, signal, sys, runpy; sys.path[:0] = ['tests', '.']; import models, toy; "
+            "real = models.load_model\n"
+            "def load(*a, **k):\n    os.kill(os.getpid(), signal.SIGTERM); return real(*a, **k)\n"
+            "models.load_model = load; from tasks import TASKS; TASKS['toy'] = toy.TASK\n"
+            f"sys.argv = ['train.py'] + {list(map(str, train_args(model_dir, str(tmp_path / 'run'), steps=1)))}\n"
+            "runpy.run_path('train.py', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=toy.REPO, env=toy.subprocess_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: interrupted; no checkpoint was written")
