@@ -3,11 +3,14 @@ Benchmark one GRPO step of train.py, optionally side by side with TRL's GRPOTrai
 
     python bench.py                       # our loop: per-phase times, tokens/s, peak RSS
     python bench.py --vs-trl --rounds 3   # + TRL GRPOTrainer (pip install trl==1.16.0), in turn, median ratios
+    python bench.py --vs-trl --trl-one-pass  # + TRL with all 16 completions in one pass, as a labelled extra row
+    python bench.py --decode              # only the decode step against its matmuls alone (also printed by the above)
     python bench.py --grid                # cost growth: group size 4/8/16, max new tokens 64/128/256
     python bench.py --compile             # torch.compile of the training forward: eager vs compiled, 80-step projection
 
-The standard configuration: SmolLM2-135M-Instruct, 2 GSM8K prompts x G=8 = 16 completions (ours in
-micro-batches of 4), 128 new tokens, temperature 1.0, beta=0.04 (reference model on), mu=1, lr 1e-6, fp32
+The standard configuration: SmolLM2-135M-Instruct, 2 GSM8K prompts x G=8 = 16 completions, both sides in
+micro-batches of 4 (TRL: per_device_train_batch_size 4, gradient_accumulation_steps 4, so one generation of the 16
+per optimizer step), 128 new tokens, temperature 1.0, beta=0.04 (reference model on), mu=1, lr 1e-6, fp32
 master weights with bf16 autocast. Both sides train the same objective: k3 KL, no sampler correction on ours, and TRL's
 use_bias_correction_kl=False (its default multiplies the KL term by the ratio, another KL gradient).
 Each side runs in its own subprocess (peak RSS is that process's ru_maxrss); the first step is a
@@ -32,8 +35,13 @@ p.add_argument("--model", default="smollm2-135m")
 p.add_argument("--steps", type=int, default=4, help="steps per side; the first is a warm-up")
 p.add_argument("--prompts-per-step", type=int, default=2)
 p.add_argument("--group-size", type=int, default=8)
-p.add_argument("--micro-batch", type=int, default=4, help="ours only (TRL does the 16 in one pass): a micro-batch's "
-               "activations are our step's peak memory; 4 rows run their prompt once, a group twice")
+p.add_argument("--micro-batch", type=int, default=4, help="both sides (TRL: per_device_train_batch_size, with "
+               "gradient_accumulation_steps = completions / this): a micro-batch's activations are a step's peak "
+               "memory; 4 rows run their prompt once, a group twice")
+p.add_argument("--trl-one-pass", action="store_true", help="with --vs-trl: also TRL with all completions in one "
+               "pass (per_device_train_batch_size = completions), a labelled row beside, not in the ratios")
+p.add_argument("--decode", action="store_true", help="only time one decode step of the model beside the same "
+               "matmuls alone (16 rows and the step's rows), interleaved")
 p.add_argument("--max-new-tokens", type=int, default=128)
 p.add_argument("--beta", type=float, default=0.04)
 p.add_argument("--lr", type=float, default=1e-6)
@@ -58,6 +66,8 @@ if args.dtype == "auto":  # resolved here, so that TRL's side runs in the same d
     args.dtype = str(resolve_dtype("auto", resolve_device("auto"))[0]).removeprefix("torch.")
 if args.rounds < 1:
     p.error("--rounds must be at least 1")
+if (args.prompts_per_step * args.group_size) % args.micro_batch:
+    p.error(f"--micro-batch {args.micro_batch} must divide the {args.prompts_per_step * args.group_size} completions")
 
 def ours_child(out):
     """Run train.py in this process; its metrics.jsonl gives the per-phase times."""
@@ -102,13 +112,19 @@ def trl_child(out):
         def on_step_end(self, a, state, control, **kw):
             self.rows.append({"t_step": time.time() - self.t0})
 
-    cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=args.prompts_per_step * args.group_size,
-                     num_generations=args.group_size, max_completion_length=args.max_new_tokens, temperature=1.0,
-                     beta=args.beta, learning_rate=args.lr, num_iterations=1, loss_type=args.loss_type,
+    N = args.prompts_per_step * args.group_size  # one generation of N per optimizer step, trained in micro-batches
+    cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=args.micro_batch,
+                     gradient_accumulation_steps=N // args.micro_batch, num_generations=args.group_size,
+                     max_completion_length=args.max_new_tokens, temperature=1.0, beta=args.beta,
+                     learning_rate=args.lr, num_iterations=1, loss_type=args.loss_type,
                      bf16=args.dtype == "bfloat16", use_cpu=not torch.cuda.is_available(), max_steps=args.steps,
                      logging_steps=1, report_to=[], save_strategy="no", seed=0, lr_scheduler_type="constant",
                      gradient_checkpointing=args.gradient_checkpointing, use_bias_correction_kl=False,
                      shuffle_dataset=False)
+    # steps_per_generation defaults to gradient_accumulation_steps: the first micro-step of each optimizer step
+    # generates all N, the Timer's step_begin..step_end spans that generation and the N/micro_batch micro-steps
+    assert cfg.generation_batch_size == N and cfg.steps_per_generation == cfg.gradient_accumulation_steps, \
+        f"TRL: {cfg.generation_batch_size} completions every {cfg.steps_per_generation} micro-steps, not {N} a step"
     timer = Timer()
     trainer = GRPOTrainer(model=resolve_model(args.model), reward_funcs=reward, args=cfg, train_dataset=data,
                           processing_class=load_tokenizer(args.model), callbacks=[timer])
@@ -218,6 +234,44 @@ def matmul_gflops(dtype, n=10):
         times.append(time.perf_counter() - t)
     return 2 * 2048 * 576 * 1536 / statistics.median(times[2:]) / 1e9
 
+def decode_vs_gemm(row_counts, n=15):
+    """Print the median ms of one decode step (rollout.sample's call: the model on its KV cache of the bench's
+    GSM8K prompts, left-padded, in the bench's dtype under one autocast region) beside the median ms of its
+    matmuls alone: a (rows, in) activation by every nn.Linear weight (lm_head included), weights cast once to the
+    same dtype. The two alternate, so the machine's drift hits both."""
+    import torch.nn.functional as F
+    from transformers import DynamicCache
+    import rollout
+    from models import load_model, load_tokenizer, resolve_device
+    from tasks import TASKS
+    dtype, task = getattr(torch, args.dtype), TASKS["gsm8k"]
+    model, tok = load_model(args.model, resolve_device("auto")).eval(), load_tokenizer(args.model)
+    exs = task.load("train", data_dir=args.data_dir)[:args.prompts_per_step]
+    ids, mask = rollout.left_pad(rollout.encode_prompts(tok, [task.prompt(e) for e in exs]), 0)  # (B, P)
+    weights = [m.weight.detach().to(dtype) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    print(f"\none decode step against its matmuls alone ({len(weights)} weights, {args.dtype}, prompts of "
+          f"{ids.size(1)} columns, median of {n})\n\n| rows | decode step ms | GEMM-only ms | ratio |\n"
+          "|---:|---:|---:|---:|")
+    for rows in row_counts:
+        r_ids, r_mask = (t.repeat_interleave(-(-rows // len(exs)), 0)[:rows] for t in (ids, mask))  # (rows, P)
+        pos, cache = (r_mask.cumsum(-1) - 1).clamp(min=0), DynamicCache(config=model.config)
+        x = {w.size(1): torch.randn(rows, w.size(1), dtype=dtype) for w in weights}
+        t_dec, t_mm, tok_ = [], [], torch.full((rows, 1), 100)
+        with torch.no_grad(), rollout._autocast(model, dtype):  # as sample(): one region, weights cast once
+            model(input_ids=r_ids, attention_mask=r_mask, position_ids=pos, past_key_values=cache, use_cache=True)
+            pos = pos[:, -1:]  # (rows, 1)
+            for _ in range(n + 2):  # two warm-ups
+                r_mask, pos = F.pad(r_mask, (0, 1), value=1), pos + 1  # (rows, P+1...), (rows, 1)
+                t = time.perf_counter()
+                model(input_ids=tok_, attention_mask=r_mask, position_ids=pos, past_key_values=cache, use_cache=True)
+                t_dec.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                for w in weights:
+                    F.linear(x[w.size(1)], w)
+                t_mm.append(time.perf_counter() - t)
+        d, m = (statistics.median(v[2:]) * 1e3 for v in (t_dec, t_mm))
+        print(f"| {rows} | {d:.1f} | {m:.1f} | {d / m:.2f}x |", flush=True)
+
 def step_flops(cfg, prompts, G, p, c, micro_batch=None):
     """Matmul FLOPs of one step by phase, from the model's shapes: B prompts of p tokens, G completions of c
     tokens each. Forward: 2 * (layer weights + head) per token + attention 4 * L * H * context; the prompt runs
@@ -246,6 +300,11 @@ def fmt(x, spec=".1f"):
     return "-" if x is None else format(x, spec)
 
 
+DECODE_ROWS = sorted({16, args.prompts_per_step * args.group_size})  # 16, and the step's rows
+if args.decode:
+    decode_vs_gemm(DECODE_ROWS)
+    sys.exit(0)
+
 if args.grid:  # cost growth, one side at a time: G at 128 tokens, then tokens at G = 8
     points = [dict(group_size=g, max_new_tokens=128) for g in (4, 8, 16)] + \
         [dict(group_size=8, max_new_tokens=t) for t in (64, 256)]
@@ -262,9 +321,12 @@ if args.grid:  # cost growth, one side at a time: G at 128 tokens, then tokens a
 
 ratios = []  # (step time, peak RSS, per-token step time) ours / TRL, one per round
 for rnd in range(args.rounds if args.vs_trl else 1):
-    results = {"ours": run_side("ours")}
+    results = {f"ours, micro-batch {args.micro_batch}": run_side("ours")}
     if args.vs_trl:
-        results["trl"] = run_side("trl")
+        results[f"TRL, micro-batch {args.micro_batch}"] = run_side("trl")
+    if args.vs_trl and args.trl_one_pass:  # TRL's own default batch shape, beside: not in the ratios
+        N = args.prompts_per_step * args.group_size
+        results[f"TRL, one pass of {N} (not the same micro-batch)"] = run_side("trl", micro_batch=N)
     print(f"\n{time.strftime('%H:%M UTC', time.gmtime())}, round {rnd + 1}")
     print("\n| side | step s | generate s | reference s | train s | gen tok/s | mean completion len | peak RSS GiB |")
     print("|---|---|---|---|---|---|---|---|")
@@ -275,7 +337,7 @@ for rnd in range(args.rounds if args.vs_trl else 1):
               f"{fmt(med.get('t_train'))} | {fmt(g and n_tok / g, '.0f')} | {med['completion_len']:.0f} | {peak:.2f} |")
     from transformers import AutoConfig  # noqa: E402
     from models import resolve_model  # noqa: E402
-    med = results["ours"][0]
+    med = results[f"ours, micro-batch {args.micro_batch}"][0]
     peak = matmul_gflops(getattr(torch, args.dtype))
     flops = step_flops(AutoConfig.from_pretrained(resolve_model(args.model)), args.prompts_per_step,
                        args.group_size, med["prompt_len"], med["completion_len"], args.micro_batch)
@@ -285,10 +347,13 @@ for rnd in range(args.rounds if args.vs_trl else 1):
     for k, f in flops.items():
         print(f"| {k[2:]} | {f / 1e9:.0f} | {f / 1e9 / peak:.1f} | {med[k]:.1f} | {f / 1e9 / peak / med[k]:.0%} |")
     if args.vs_trl:
-        (o, po, _), (t, pt, _) = results["ours"], results["trl"]
+        (o, po, _), (t, pt, _) = list(results.values())[:2]  # the same micro-batch on both sides
         ratios.append((o["t_step"] / t["t_step"], po / pt,
                        (o["t_step"] / o["completion_len"]) / (t["t_step"] / t["completion_len"])))
-        print("\nours / TRL: step time {:.2f}x, peak RSS {:.2f}x, per-token step time {:.2f}x".format(*ratios[-1]))
+        print(f"\nours / TRL at micro-batch {args.micro_batch} on both sides: "
+              "step time {:.2f}x, peak RSS {:.2f}x, per-token step time {:.2f}x".format(*ratios[-1]))
 if len(ratios) > 1:
-    print("\nmedian over {} rounds: step time {:.2f}x, peak RSS {:.2f}x, per-token step time {:.2f}x".format(
-        len(ratios), *(statistics.median(r[i] for r in ratios) for i in range(3))))
+    print(f"\nmedian over {len(ratios)} rounds, micro-batch {args.micro_batch} on both sides: "
+          "step time {:.2f}x, peak RSS {:.2f}x, per-token step time {:.2f}x".format(
+              *(statistics.median(r[i] for r in ratios) for i in range(3))))
+decode_vs_gemm(DECODE_ROWS)  # the decode step's gap to its own matmuls, on this CPU

@@ -13,11 +13,15 @@ k = 1, 2, 4, ... N. A checkpoint may be a full fine-tune, a LoRA run (adapters m
 """
 
 import argparse
+import copy
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 import torch
+from transformers import AutoModelForCausalLM
 
 import run
 from models import DTYPES, check_dtype, load_model, load_tokenizer, resolve_device, resolve_dtype
@@ -85,30 +89,40 @@ def main():
         check_dtype(device, dtype)
         task = TASKS[args.task]
         examples = task.load(args.split, data_dir=args.data_dir)[:args.limit]  # what must exist, before any write
-        name = args.model or "smollm2-135m"
-        model, tok, _ = load_checkpoint_model(args.ckpt, device, dtype) if args.ckpt else \
-            (load_model(name, device, dtype, trainable=False), load_tokenizer(name), None)
         beside = os.path.join(args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(args.ckpt),
                               f"predictions_{args.task}_{args.split}.jsonl") if args.ckpt else "predictions.jsonl"
         out = args.out or run.fresh(beside)  # a default never replaces a file
         if os.path.isdir(out):
-            raise ValueError(f"--out {out} is a directory; pass a file path such as {os.path.join(out, 'p.jsonl')}")
+            raise ValueError(f"--out {out} is a directory; pass a file path such as {os.path.join(out, 'predictions.jsonl')}")
+        folder = os.path.dirname(os.path.abspath(out))
+        while not os.path.exists(folder):  # the nearest folder that is there: the rest would be made
+            folder = os.path.dirname(folder)
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise ValueError(f"--out {out} cannot be written ({folder} is not a writable folder); pass another path")
+        name = args.model or "smollm2-135m"
+        cfg = run.load_checkpoint(args.ckpt)[1]["config"] if args.ckpt else {}  # checked before the output's folder
+        if not args.ckpt:
+            load_tokenizer(name)  # the model named is there (its weights load later)
         try:  # before the evaluation, not after it: a bad path must not cost the run
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-            open(tmp := out + ".tmp", "w").close()
+            open(out + ".tmp", "w").close()
+            os.remove(out + ".tmp")
         except OSError as e:
             raise ValueError(f"--out {out} cannot be written ({e.strerror}); pass another path") from None
+        model, tok, cfg = load_checkpoint_model(args.ckpt, device, dtype) if args.ckpt else \
+            (load_model(name, device, dtype, trainable=False), load_tokenizer(name), cfg)
+        env = task.tools(tok, cfg.get("max_tool_calls", 4)) if task.tools else None  # the run's call limit
     except ValueError as e:  # ModelError, DataError, a bad checkpoint or path: what was named cannot be used
         p.error(str(e))
     try:
         if note:
             print(note)
         summary, records = evaluate(model, tok, task, examples, args.max_new_tokens, args.batch_size, args.n,
-                                    args.temperature, args.seed, dtype=dtype)
+                                    args.temperature, args.seed, dtype=dtype, env=env)
         print(f"{args.task}/{args.split} {args.ckpt or name}: " +
               " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
         try:
-            with open(tmp, "w") as f:  # written whole, then renamed: a kill never leaves a half file at `out`
+            with open(tmp := out + ".tmp", "w") as f:  # written whole, then renamed: a kill leaves no half file
                 f.writelines(json.dumps(r) + "\n" for r in records)
             os.replace(tmp, out)
         except OSError as e:  # a full disk: the summary above stands
@@ -134,10 +148,52 @@ def export(p, args, given):
     if args.adapter and not cfg.get("lora_rank"):
         p.error(f"--adapter: {args.ckpt} is a full fine-tune, not a LoRA run; drop --adapter")
     name = "bfloat16" if args.dtype == "auto" else args.dtype  # a file format, not this machine's compute
-    failed = run.export_hf(model, tok, args.export, DTYPES[name], adapter=args.adapter)
+    failed = export_hf(model, tok, args.export, DTYPES[name], adapter=args.adapter)
     if failed:
         sys.exit(f"error: {failed}")
     print(f"exported {args.ckpt} ({'adapter' if args.adapter else name}) to {args.export}")
+
+def export_hf(model, tokenizer, path, dtype, adapter=False, state_dict=None):
+    """Write `model` as a folder AutoModelForCausalLM.from_pretrained loads -> None, or a one-line reason it
+    could not (the previous export kept). Weights in `dtype`; a LoRA model merged into its base first
+    (peft's merge_and_unload, in place), or with adapter=True saved as a peft adapter folder. state_dict:
+    a sharded model's gathered weights. Written into a temp directory beside path, then renamed."""
+    parent = os.path.dirname(os.path.abspath(path))
+    tmp = old = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".hf.", dir=parent)
+        if adapter:
+            model.save_pretrained(tmp)
+        else:
+            if hasattr(model, "merge_and_unload"):
+                model, state_dict = model.merge_and_unload(), None
+            with torch.device("meta"):  # a plain model of the weights in `dtype`: no random init, no extra copy
+                plain = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=dtype)
+            weights = model.state_dict() if state_dict is None else state_dict
+            plain.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True)
+            plain.tie_weights()  # tied keys were assigned one by one: one tensor again
+            plain.generation_config = copy.deepcopy(model.generation_config)
+            plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        open(os.path.join(tmp, run.EXPORT_MARK), "w").close()
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        if os.path.exists(path):
+            old = path + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        tmp = None
+        run.remove(old)
+        return None
+    except BaseException as e:
+        run.remove(tmp)
+        if old and not os.path.exists(path) and os.path.exists(old):
+            os.replace(old, path)  # put the previous export back
+        if not isinstance(e, Exception):
+            raise
+        why = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {str(e)[:120]}"
+        return f"could not write {path} ({why}); the previous export there is kept"
 
 if __name__ == "__main__":
     main()

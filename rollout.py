@@ -175,8 +175,8 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
     return Rollout(prompt_ids=ids.repeat_interleave(G, 0), prompt_mask=mask[:, :ids.size(1)],
                    completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
                    completions=texts, sample_logp=logps[:, :t + 1].masked_fill(completion_mask == 0, 0.0),
-                   prompt_cut=cut.repeat_interleave(G, 0).to(device), env_mask=is_env, tool_calls=calls.to(device),
-                   tool_errors=errors.to(device))
+                   prompt_cut=cut.repeat_interleave(G, 0).to(device), env_mask=is_env,
+                   tool_calls=calls.to(device, copy=True), tool_errors=errors.to(device, copy=True))
 
 def concat(rollouts):
     """Rollouts of different widths -> one: prompts re-padded on the left, completions on the right (masked,

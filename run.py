@@ -7,7 +7,6 @@ holds tensors, numbers, strings and plain containers only, and is read with torc
 """
 
 import ast
-import copy
 import fcntl
 import json
 import math
@@ -18,13 +17,11 @@ import re
 import shutil
 import signal
 import sys
-import tempfile
 import zipfile
 
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM
 
 OWN = ("run.json", "metrics.jsonl", "ckpt.pt", "tensorboard", "wandb", "hf")  # + dcp-*, temp files (_own)
 EXPORT_MARK = ".grpo-export"  # in hf/: the folder is a run's export, which a later export may replace
@@ -310,7 +307,7 @@ def restore(ckpt, out_dir, policy, optimizer, scheduler, scaler, ref=None, rank=
     return ckpt["step"]
 
 # -----------------------------------------------------------------------------
-# the metrics log and the export
+# the metrics log
 
 class MetricsLog:
     """OUT_DIR/metrics.jsonl (a non-finite value as null) + a tracker; a resume drops later and torn lines first."""
@@ -345,45 +342,3 @@ class MetricsLog:
         self.file.close()
         if self.tracker is not None:
             self.tracker[1]()
-
-def export_hf(model, tokenizer, path, dtype, adapter=False, state_dict=None):
-    """Write `model` as a folder AutoModelForCausalLM.from_pretrained loads -> None, or a one-line reason it
-    could not (the previous export kept). Weights in `dtype`; a LoRA model merged into its base first
-    (peft's merge_and_unload, in place), or with adapter=True saved as a peft adapter folder. state_dict:
-    a sharded model's gathered weights. Written into a temp directory beside path, then renamed."""
-    parent = os.path.dirname(os.path.abspath(path))
-    tmp = old = None
-    try:
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".hf.", dir=parent)
-        if adapter:
-            model.save_pretrained(tmp)
-        else:
-            if hasattr(model, "merge_and_unload"):
-                model, state_dict = model.merge_and_unload(), None
-            with torch.device("meta"):  # a plain model of the weights in `dtype`: no random init, no extra copy
-                plain = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=dtype)
-            weights = model.state_dict() if state_dict is None else state_dict
-            plain.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True)
-            plain.tie_weights()  # tied keys were assigned one by one: one tensor again
-            plain.generation_config = copy.deepcopy(model.generation_config)
-            plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        open(os.path.join(tmp, EXPORT_MARK), "w").close()
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private
-        if os.path.exists(path):
-            old = path + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        tmp = None
-        remove(old)
-        return None
-    except BaseException as e:
-        remove(tmp)
-        if old and not os.path.exists(path) and os.path.exists(old):
-            os.replace(old, path)  # put the previous export back
-        if not isinstance(e, Exception):
-            raise
-        why = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {str(e)[:120]}"
-        return f"could not write {path} ({why}); the previous export there is kept"

@@ -72,7 +72,7 @@ CONSTANTS = {  # knobs few would sweep: (default, range or choices); set in a co
     "is_cap": (2.0, "> 0"), "max_resample": (4, ">= 0"),  # --is-mode's cap (TIS: 2); --dynamic-sampling's extra
     "ref_sync_every": (0, ">= 0"),  # every N steps the reference becomes the policy (§4.2); 0 = never
     "save_every": (50, ">= 0"), "log_completions": (10, ">= 0"),  # checkpoints (+ one at the end); samples shown
-    "export": ("model", ("model", "adapter", "none")),  # OUT_DIR/hf: a HF model (LoRA merged) or the adapters
+    "export": ("none", ("none", "model", "adapter")),  # OUT_DIR/hf at the end: a HF model (LoRA merged), adapters
     "log_to": ("none", ("none", "tensorboard", "wandb")),  # a tracker besides metrics.jsonl
     "cispo_cap": (5.0, ">= 1"), "sapo_temperature_pos": (1.0, "> 0"), "sapo_temperature_neg": (1.05, "> 0"),
     "max_tool_calls": (4, ">= 1")}  # a task with tools: a row's next call ends it (tools.py)
@@ -95,8 +95,8 @@ for bad, why in [  # one line each, before anything loads
         (N % args.micro_batch, f"--micro-batch {args.micro_batch} must divide the {N} completions per rank per step"),
         (args.overlong_buffer > args.max_new_tokens,
          f"--overlong-buffer {args.overlong_buffer} must be <= --max-new-tokens {args.max_new_tokens}"),
-        (args.supervision == "process" and not task.step_rewards,
-         f"--supervision process needs per-step rewards; task {args.task} has none"),
+        (args.supervision == "process" and (not task.step_rewards or task.tools),
+         f"--supervision process needs per-step rewards and no tools; task {args.task} does not fit"),
         (args.fsdp and not ddp, "--fsdp shards over torchrun's processes: torchrun --nproc_per_node N train.py --fsdp"),
         (args.fsdp and (args.lora_rank or args.ref_sync_every or args.ref_device or args.dtype == "float16"),
          "--fsdp takes neither --lora-rank, ref_sync_every, --ref-device nor --dtype float16 (use bfloat16)"),
@@ -174,7 +174,8 @@ except ValueError as e:  # ModelError too
 ref_off = policy.disable_adapter if args.lora_rank else nullcontext  # runs the LoRA policy as the reference
 max_prompt = (getattr(policy.config, "max_position_embeddings", None) or 10**9) - args.max_new_tokens  # kept: the last
 if max_prompt < 1:
-    p.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's context")
+    p.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
+            f"{max_prompt + args.max_new_tokens} tokens")
 stops = rollout.stop_token_ids(tokenizer, policy)
 full_kl = args.kl_estimator == "full" and ref is not None
 if full_kl and ref_device != device:  # the full KL's reference head runs where the policy's hidden states are
@@ -226,7 +227,7 @@ def collect(step):
         fields = {f: [e[f] for e in exs for _ in range(G)] for f in exs[0]}  # each example's fields, G times
         try:
             total, per_fn = combine_rewards(reward_fns, weights, r.completions, **fields,
-                                            num_tokens=r.completion_mask.sum(1).tolist())
+                                            num_tokens=(r.completion_mask + r.env_mask.long()).sum(1).tolist())
         except RewardError as e:
             sys.exit(f"error: step {step + 1}: {e}")
         parts.append((r, exs, torch.tensor(total), per_fn))
@@ -358,12 +359,13 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
             tqdm.write(f"warning: step {step + 1}: {save_failed}")
 
 # -----------------------------------------------------------------------------
-# the end: a final eval, then the export (last: a LoRA policy is merged into its base in place)
+# the end: a final eval, then the export when asked (else `eval.py --ckpt OUT_DIR --export DIR` does it any time)
 run_eval(args.steps)
 state = scale.full_state_dict(policy) if args.fsdp and args.export != "none" else None  # every rank gathers
-if master and args.export != "none":
-    export_failed = run.export_hf(policy, tokenizer, os.path.join(args.out_dir, "hf"), dtype,
-                                  args.export == "adapter", state)
+if master and args.export != "none":  # last: a LoRA policy is merged into its base in place
+    from eval import export_hf
+    export_failed = export_hf(policy, tokenizer, os.path.join(args.out_dir, "hf"), dtype, args.export == "adapter",
+                              state)
     print(f"warning: {export_failed}" if export_failed else f"exported ({args.export}) to {args.out_dir}/hf")
 if master:
     log.close()

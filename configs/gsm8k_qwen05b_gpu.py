@@ -22,3 +22,4 @@ eval_every = 25
 eval_n = 500
 save_every = 25
 out_dir = "out/gsm8k_qwen05b"
+export = "model"         # OUT_DIR/hf at the end: a folder from_pretrained loads (vLLM, lm-eval)

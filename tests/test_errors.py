@@ -214,12 +214,11 @@ def test_inline_config_value_that_is_no_literal_is_a_plain_string(model_dir, tmp
 
 
 @pytest.mark.parametrize("flag, value", [
-    ("--lean", "on"), ("--ref-model", "x"), ("--ref-device", "cpu"), ("--top-k", 5), ("--max-prompt-tokens", 8),
-    ("--ref-sync-alpha", 0.5), ("--lora-alpha", 8), ("--lora-dropout", 0.1), ("--lora-targets", "q_proj"),
-    ("--overlong-weight", 2), ("--top-p", 0.9), ("--save-every", 1), ("--log-completions", 1),
-    ("--lr-schedule", "cosine"), ("--export", "none"), ("--warmup-steps", 2),
+    ("--top-p", 0.9), ("--save-every", 1), ("--log-completions", 1), ("--lr-schedule", "cosine"), ("--export", "none"),
+    ("--warmup-steps", 2), ("--log-to", "tensorboard"), ("--max-tool-calls", 2), ("--cispo-cap", 3.0),
 ], ids=lambda x: str(x))
-def test_removed_and_config_only_flags_are_not_flags(model_dir, tmp_path, capsys, no_model_load, flag, value):
+def test_config_only_keys_are_not_flags(model_dir, tmp_path, capsys, no_model_load, flag, value):
+    """A config key is set in a config file or as --config name=value; as a flag it is one line."""
     code, line = script_error(TRAIN, train_args(model_dir, str(tmp_path), flag, value), capsys)
     assert_one_line(code, line, 2, flag)
 
@@ -354,7 +353,7 @@ def test_bad_model_is_one_line(model_dir, tmp_path, capsys, monkeypatch, make, e
 
 
 @pytest.mark.parametrize("extra, fragments", [
-    (["--supervision", "process"], ["--supervision process needs per-step rewards; task toy has none"]),
+    (["--supervision", "process"], ["--supervision process needs per-step rewards and no tools; task toy"]),
     (["--overlong-buffer", 13], ["--overlong-buffer", "<= --max-new-tokens 12"]),
 ], ids=["process-without-step-rewards", "overlong-buffer>max-new"])
 def test_flag_the_task_cannot_honour_is_one_line(model_dir, tmp_path, capsys, no_model_load, extra, fragments):
@@ -778,7 +777,8 @@ def test_eval_leaves_no_file_on_any_failure(model_dir, tmp_path, capsys, monkeyp
     assert files(tmp_path) == {}  # no preds.jsonl, no preds.jsonl.tmp
 
 
-@pytest.mark.parametrize("what, fragment", [("missing", "no checkpoint at"), ("corrupt", "is unreadable")])
+@pytest.mark.parametrize("what, fragment", [("missing", "no checkpoint at"),
+                                            ("corrupt", "not a checkpoint train.py wrote")])
 def test_eval_bad_checkpoint_is_one_line_and_leaves_nothing(tmp_path, capsys, what, fragment):
     if what == "corrupt":
         (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint")

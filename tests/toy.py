@@ -140,10 +140,11 @@ def run_script(path, argv):
 
 
 def train_args(model_dir, out_dir, *extra, steps=2):
-    """The tiny run: 2 prompts x G=4, micro-batch 4, 12 new tokens, fp32, no eval."""
+    """The tiny run: 2 prompts x G=4, micro-batch 4, 12 new tokens, fp32, no eval, the HF export at the end."""
     return ["--task", "toy", "--model", model_dir, "--out-dir", out_dir, "--steps", steps, "--group-size", 4,
             "--prompts-per-step", 2, "--micro-batch", 4, "--max-new-tokens", 12, "--eval-n", 0,
-            "--dtype", "float32", "--device", "cpu", "--lr", 1e-3, "--config", "log_completions=1", *extra]
+            "--dtype", "float32", "--device", "cpu", "--lr", 1e-3, "--config", "log_completions=1",
+            "--config", "export=model", *extra]
 
 
 def subprocess_env():

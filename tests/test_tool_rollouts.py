@@ -1,0 +1,553 @@
+"""Multi-turn tool rollouts: rollout.sample with an environment, the loss and log-probs on trajectories that hold
+tools' replies, train.py and evaluate() on a task with tools. CPU, fp32, tiny models built in process; a stub of
+tools.ToolEnv on word tokens (tests/toy.py's WordToolEnv: a row's own w5 is a call, w7 a call answered with an error,
+the reply the words "w1 <|im_end|> w2") and the real ToolEnv on the offline SmolLM2 (`real_model`).
+
+Tolerances (conftest): the log-prob pass against the model's own forward, one row at a time, computes the same fp32
+sums in another order, within 64 eps32 of the largest |log-prob| compared (measured <= 13); the decode loop against
+the teacher-forced pass adds the KV cache's batch shapes, 128 eps32 (measured <= 27). A reply missing from the
+context, or a position off by one, moves log-probs by > 1e-2 here (init_std 0.3): ~1000x the bound. Masked positions
+are compared bit for bit: torch.where picks, it does not round."""
+
+import importlib.util
+import math
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import grpo
+import toy
+from conftest import DECODE, ENDOFTEXT, EOS, VOCAB, assert_close_scaled, make_tokenizer, tiny
+from rollout import batch_logprobs, completion_hidden, sample, token_logprobs
+from tasks import TASKS, evaluate
+from toy import REPO, TIMING, TOY_TRAIN, TRAIN, WordToolEnv, read_metrics, run_script, subprocess_env, train_args
+
+_ = -1  # a step the script leaves to the model (a reply's step: the environment replaces the token)
+W = VOCAB  # conftest's word ids: W["w5"]
+REPLY = [W["w1"], EOS, W["w2"]]  # the stub's reply, the end-of-turn id inside it
+L = len(REPLY)
+PROMPTS = ["w1 w2", "w3 w4 w6 w8 w9 w10 w11 w12",  # very different lengths: left padding is real
+           [{"role": "system", "content": "w13"}, {"role": "user", "content": "w14 w15 w16"}]]
+
+
+def stub(tok, max_calls=2, calls=("w5",)):
+    return WordToolEnv(tok, max_calls, calls=calls, errors=("w7",), reply=("w1", "<|im_end|>", "w2"))
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+class Forced(torch.nn.Module):
+    """A model for sample(): step t of row r takes script[r][t] where that is >= 0 (its logit 0, every other -1e4:
+    probability 1 at any temperature, greedy too), else the model's own choice. Each prefill (the call with
+    logits_to_keep) starts the next batch's script in `scripts`; the prefill's rows are the prompts, each its group's
+    first row (a group's rows must agree on step 0)."""
+
+    def __init__(self, model, *scripts):
+        super().__init__()
+        self.model, self.config, self.scripts, self.batch, self.t = model, model.config, scripts, -1, 0
+
+    def get_decoder(self):  # sample() names the cache argument as the decoder's forward does
+        return self.model.get_decoder()
+
+    def forward(self, **kw):
+        logits = self.model(**kw).logits[:, -1:].clone()  # (n, 1, V)
+        if "logits_to_keep" in kw:  # the prefill: a new batch, step 0
+            self.batch, self.t = self.batch + 1, 0
+        script = self.scripts[self.batch]
+        G = len(script) // logits.size(0)
+        if self.t == 0:
+            assert all(len({s[0] for s in script[b * G:(b + 1) * G]}) == 1 for b in range(logits.size(0))), \
+                "a group's rows share their prefill: the script must give them one step 0"
+        for r in range(logits.size(0)):
+            steps = script[r * G if self.t == 0 else r]
+            if self.t < len(steps) and steps[self.t] >= 0:
+                logits[r] = -1e4
+                logits[r, 0, steps[self.t]] = 0.0
+        self.t += 1
+        return SimpleNamespace(logits=logits)
+
+# -----------------------------------------------------------------------------
+# 3. masks by hand: rows ending at different turns, the call limit, a reply cut by the budget
+
+
+def scripted_rollout(model, tok):
+    """Five rows (one prompt each, G=1), 10 new tokens, stop ids [<|endoftext|>, <|im_end|>] (pad: <|endoftext|>),
+    at most 2 calls: 0 calls; 1 call then a stop; 2 calls (the second an error) then a stop; a call at every turn
+    (the third ends the row); a call on step 8 whose reply the budget cuts after 1 token."""
+    w = [W[f"w{i}"] for i in range(21)]
+    script = [[w[10], w[11], EOS],
+              [w[5], _, _, _, w[12], EOS],
+              [w[5], _, _, _, W["w7"], _, _, _, EOS],
+              [w[5], _, _, _, w[5], _, _, _, w[5], w[5]],  # it would call again at 9: the row has ended
+              [w[13], w[14], w[15], w[16], w[17], w[18], w[19], w[20], w[5], _]]
+    prompts = [PROMPTS[i % 3] for i in range(5)]
+    return sample(Forced(model, script), tok, prompts, 1, 10, [ENDOFTEXT, EOS], generator=gen(), env=stub(tok))
+
+
+def test_rows_finish_at_different_turns_and_masks_are_exact_by_hand():
+    tok = make_tokenizer()
+    r = scripted_rollout(tiny(), tok)
+    w = {i: W[f"w{i}"] for i in range(21)}
+    P = ENDOFTEXT  # the pad id: stop_ids[0]
+    assert r.completion_ids.tolist() == [
+        [w[10], w[11], EOS, P, P, P, P, P, P, P],
+        [w[5], w[1], EOS, w[2], w[12], EOS, P, P, P, P],  # the reply's <|im_end|> did not stop the row
+        [w[5], w[1], EOS, w[2], W["w7"], w[1], EOS, w[2], EOS, P],
+        [w[5], w[1], EOS, w[2], w[5], w[1], EOS, w[2], w[5], P],  # ended on its third call: no reply, no step 9
+        [w[13], w[14], w[15], w[16], w[17], w[18], w[19], w[20], w[5], w[1]]]  # cut 1 token into the reply
+    assert r.completion_mask.tolist() == [[1, 1, 1, 0, 0, 0, 0, 0, 0, 0],
+                                          [1, 0, 0, 0, 1, 1, 0, 0, 0, 0],
+                                          [1, 0, 0, 0, 1, 0, 0, 0, 1, 0],
+                                          [1, 0, 0, 0, 1, 0, 0, 0, 1, 0],
+                                          [1, 1, 1, 1, 1, 1, 1, 1, 1, 0]]
+    assert r.env_mask.int().tolist() == [[0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+                                         [0, 1, 1, 1, 0, 0, 0, 0, 0, 0],
+                                         [0, 1, 1, 1, 0, 1, 1, 1, 0, 0],
+                                         [0, 1, 1, 1, 0, 1, 1, 1, 0, 0],
+                                         [0, 0, 0, 0, 0, 0, 0, 0, 0, 1]]
+    assert r.attention_mask[:, -10:].tolist() == [[1] * 3 + [0] * 7, [1] * 6 + [0] * 4, [1] * 9 + [0],
+                                                  [1] * 9 + [0], [1] * 10]
+    assert r.truncated.tolist() == [False, False, False, True, True]  # the call limit and the budget: no stop
+    assert r.tool_calls.tolist() == [0, 1, 2, 2, 1] and r.tool_errors.tolist() == [0, 0, 1, 0, 0]
+    assert (r.sample_logp[r.env_mask] == 0).all() and not (r.completion_mask.bool() & r.env_mask).any()
+    # the text shows the replies' turns (special tokens kept), the row's own stop token left out
+    assert r.completions == ["w10 w11", "w5 w1 <|im_end|> w2 w12", "w5 w1 <|im_end|> w2 w7 w1 <|im_end|> w2",
+                             "w5 w1 <|im_end|> w2 w5 w1 <|im_end|> w2 w5",
+                             "w13 w14 w15 w16 w17 w18 w19 w20 w5 w1"]
+
+# -----------------------------------------------------------------------------
+# 1. reply tokens: no loss, no gradient, whatever the log-probs there hold
+
+
+def loss_inputs(r, model, ref):
+    """The per-token inputs of grpo_loss on rollout r, as train.py makes them (fp32, no grad): logp, entropy and the
+    exact KL from the policy's pass, old and reference log-probs and the sampler's a little off the policy's."""
+    C, g = r.completion_ids.size(1), gen(3)
+    with torch.no_grad():
+        ref_hidden = completion_hidden(ref, r.input_ids, r.attention_mask, C)  # (N, C, H)
+        logp, entropy, kl = token_logprobs(model, r.input_ids, r.attention_mask, C, with_entropy=True,
+                                           ref=(ref.get_output_embeddings(), ref_hidden))
+    noise = torch.randn(3, *logp.shape, generator=g)
+    return {"logp": logp, "entropy": entropy, "kl": kl, "old": logp + 0.3 * noise[0],
+            "ref": logp + noise[1], "sample": logp + 0.05 * noise[2]}
+
+
+def loss_and_grads(v, mask, obj, is_mode):
+    """grpo_loss as train.py calls it with --mu > 1 -> (loss, {input: d loss / d input}, metrics)."""
+    leaves = {k: v[k].clone().requires_grad_() for k in ("logp", "entropy", "kl")}
+    w, _ = grpo.behaviour_weights(v["old"], v["sample"], mask, is_mode)
+    full = obj.kl_estimator == "full"
+    adv = torch.tensor([1.0, -0.5, 0.8, -1.2, 0.4])  # (N,)
+    loss, metrics = grpo.grpo_loss(leaves["logp"], v["old"], None if full else v["ref"], adv, mask, obj,
+                                   entropy=leaves["entropy"], kl=leaves["kl"] if full else None, behaviour_weights=w,
+                                   num_sequences=torch.tensor(5.0), num_tokens=mask.sum().float())
+    grads = torch.autograd.grad(loss, [leaves["logp"], leaves["entropy"]] + ([leaves["kl"]] if full else []),
+                                allow_unused=True)
+    return loss, dict(zip(["logp", "entropy", "kl"], grads)), metrics
+
+
+@pytest.fixture(scope="module")
+def rollout_with_replies():
+    tok, model = make_tokenizer(), tiny()
+    return scripted_rollout(model, tok), model, tiny(seed=1)
+
+
+@pytest.mark.parametrize("variant", ["token", "sequence+entropy"])
+@pytest.mark.parametrize("kl_estimator", ["k3_clamped", "k3", "full"])  # k3: no clamp to hide a NaN
+@pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
+def test_reply_tokens_get_exactly_zero_loss_and_gradient(rollout_with_replies, loss_type, kl_estimator, variant):
+    r, model, ref = rollout_with_replies
+    own, reply = r.completion_mask.bool(), r.env_mask  # (N, C) each
+    assert reply.sum() == 16 and own.sum() == 21
+    extra = {} if variant == "token" else dict(importance_level="sequence", entropy_coef=0.01,
+                                               top_entropy_quantile=0.5)
+    obj = grpo.Objective(beta=0.04, kl_estimator=kl_estimator, loss_type=loss_type, max_len=10, **extra)
+    is_mode = "token_truncate" if variant == "token" else "sequence_truncate"
+    clean = loss_inputs(r, model, ref)
+    assert all(x[reply].abs().min() > 1e-3 for k, x in clean.items() if k != "kl")  # real values, not zeros
+    loss, grads, metrics = loss_and_grads(clean, r.completion_mask, obj, is_mode)
+    assert torch.isfinite(loss) and loss != 0
+    for k, g in grads.items():
+        if g is not None:
+            assert (g[reply] == 0).all() and (g[~own] == 0).all(), k  # exactly: torch.where routes no gradient
+    assert grads["logp"][own].abs().max() > 1e-4  # the model's own tokens do get one
+    # garbage at the reply positions of every input changes nothing, bit for bit
+    for junk in (math.nan, math.inf, -math.inf, 1e30, -1e30):
+        dirty = {k: x.masked_fill(reply, junk) for k, x in clean.items()}
+        loss2, grads2, metrics2 = loss_and_grads(dirty, r.completion_mask, obj, is_mode)
+        assert torch.equal(loss2, loss), junk
+        for k in grads:
+            assert (grads[k] is None and grads2[k] is None) or torch.equal(grads2[k], grads[k]), (junk, k)
+        for k in metrics:
+            assert torch.equal(metrics2[k], metrics[k]), (junk, k)
+    # an independent computation: the reply columns deleted, each row's own tokens packed to the left
+    n = own.sum(1)  # (N,)
+    packed_mask = (torch.arange(int(n.max()))[None] < n[:, None]).long()  # (N, C')
+
+    def pack(x):
+        out = torch.zeros(packed_mask.shape, dtype=x.dtype)
+        out[packed_mask.bool()] = x[own]
+        return out
+    packed, _, _ = loss_and_grads({k: pack(x) for k, x in clean.items()}, packed_mask, obj, is_mode)
+    assert_close_scaled(packed, loss)  # the same terms; dr_grpo's divisor is max_len in both
+    # the test has teeth: the same garbage on one own token moves the loss
+    bad = {**clean, "old": clean["old"].masked_fill(own & (torch.arange(10) == 4), 5.0)}
+    assert not torch.equal(loss_and_grads(bad, r.completion_mask, obj, is_mode)[0], loss)
+
+@pytest.mark.parametrize("kl_estimator", ["k3_clamped", "full"])
+def test_reply_positions_send_no_gradient_to_the_weights(rollout_with_replies, kl_estimator):
+    """The whole path, as train.py's step runs it: token_logprobs with grad (entropy, the exact KL against the
+    reference's head), behaviour weights, grpo_loss, backward. Garbage in the old, reference and sampler log-probs
+    at the reply positions leaves the loss and every weight's gradient bit for bit."""
+    r, model, ref = rollout_with_replies
+    C, reply = r.completion_ids.size(1), r.env_mask
+    full = kl_estimator == "full"
+    obj = grpo.Objective(beta=0.04, kl_estimator=kl_estimator, max_len=C, entropy_coef=0.01)
+    with torch.no_grad():
+        ref_hidden = completion_hidden(ref, r.input_ids, r.attention_mask, C)  # (N, C, H)
+        base = token_logprobs(model, r.input_ids, r.attention_mask, C)[0]  # (N, C)
+    noise = torch.randn(2, *base.shape, generator=gen(4))
+    clean = {"old": base + 0.3 * noise[0], "ref": base + noise[1], "sample": base}
+
+    def weight_grads(v):
+        model.zero_grad(set_to_none=True)
+        logp, entropy, kl = token_logprobs(model, r.input_ids, r.attention_mask, C, with_entropy=True,
+                                           ref=(ref.get_output_embeddings(), ref_hidden) if full else None)
+        w, _ = grpo.behaviour_weights(v["old"], v["sample"], r.completion_mask)
+        loss, _ = grpo.grpo_loss(logp, v["old"], None if full else v["ref"], torch.tensor([1.0, -0.5, 0.8, -1.2, 0.4]),
+                                 r.completion_mask, obj, entropy=entropy, kl=kl, behaviour_weights=w)
+        loss.backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+    loss, grads = weight_grads(clean)
+    assert max(g.abs().max() for g in grads.values()) > 1e-4
+    for junk in (math.nan, math.inf, -1e30):
+        loss2, grads2 = weight_grads({k: x.masked_fill(reply, junk) for k, x in clean.items()})
+        assert torch.equal(loss2, loss) and all(torch.equal(grads2[k], g) for k, g in grads.items()), junk
+
+# -----------------------------------------------------------------------------
+# 2. training log-probs: the model's own forward on the trajectory, replies in its context
+
+
+def naive_logprobs(model, r, T, drop_replies=False):
+    """Each row alone, unpadded, through model(input_ids=prompt + trajectory): its real prompt tokens, then its
+    completion up to its last attended token (own and reply tokens; without the replies if drop_replies), fp32
+    log_softmax of logits / T at the position before each token -> (N, C), 0 where not computed."""
+    C = r.completion_ids.size(1)
+    seen = r.attention_mask[:, -C:].bool()  # (N, C)
+    out = torch.zeros(seen.shape)
+    with torch.no_grad():
+        for i in range(seen.size(0)):
+            keep = seen[i] & ~r.env_mask[i] if drop_replies else seen[i]
+            prompt, cols = r.prompt_ids[i][r.prompt_mask[i].bool()], keep.nonzero().squeeze(1)
+            ids = torch.cat([prompt, r.completion_ids[i, cols]])  # (P_i + n_i,)
+            lsm = (model(input_ids=ids[None]).logits[0].float() / T).log_softmax(-1)  # (P_i + n_i, V)
+            at = torch.arange(len(cols)) + len(prompt)
+            out[i, cols] = lsm[at - 1, ids[at]]
+    return out
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_training_logprobs_are_the_models_forward_on_the_trajectory_and_match_sampling(share):
+    tok, model, T = make_tokenizer(), tiny(), 0.8
+    env = stub(tok, max_calls=2, calls=tuple(f"w{i}" for i in range(0, 90, 9)))  # 10 call words: calls are common
+    r = sample(model, tok, PROMPTS, 3, 14, [EOS], temperature=T, generator=gen(0), env=env)
+    C, own, reply = r.completion_ids.size(1), r.completion_mask.bool(), r.env_mask
+    seen = r.attention_mask[:, -C:].bool()
+    after = own & (reply.long().cumsum(1) > 0)  # own tokens with a reply before them
+    assert (r.prompt_mask == 0).any() and after.sum() >= 5 and set(r.tool_calls.tolist()) >= {0, 1, 2}, \
+        "the test needs left padding, own tokens after replies, rows with 0, 1 and 2 calls"
+    assert (seen == (torch.arange(C)[None] < seen.sum(1, keepdim=True))).all()  # a trajectory is one contiguous run
+    naive = naive_logprobs(model, r, T)
+    logp = token_logprobs(model, r.input_ids, r.attention_mask, C, T, share=share)[0]  # (N, C)
+    assert_close_scaled(logp[seen], naive[seen])  # own tokens and the replies' (teacher-forced, never trained on)
+    assert (logp[~seen] == 0).all()
+    micro = batch_logprobs(model, r, 2, T, share)  # train.py's path: micro-batches trimmed to their columns
+    assert_close_scaled(micro[seen], naive[seen])
+    # the decode loop fed the replies into its KV cache: its log-probs are the trajectory's, own tokens only
+    assert_close_scaled(r.sample_logp[own], logp[own], DECODE)
+    assert (r.sample_logp[~own] == 0).all()
+    # teeth: without the replies in the context, the own tokens after them get other log-probs
+    blind = naive_logprobs(model, r, T, drop_replies=True)
+    assert (blind[after] - r.sample_logp[after]).abs().max() > 1e-2
+
+# -----------------------------------------------------------------------------
+# 4. the real ToolEnv on SmolLM2: errors are replies and the row goes on
+
+
+def boom(text: str) -> str:
+    """Always fail."""
+    raise RuntimeError("boom went the tool")
+
+
+def slow(text: str) -> str:
+    """Answer too late."""
+    import time
+    time.sleep(3)
+    return text
+
+
+def real_rollout(model, tok, env, calls, results):
+    """Row i opens with the forced call calls[i] (then greedy), the arith_tool task's prompt, a budget of 4 own tokens
+    past the longest call + reply (results[i] = (name, result)) -> (Rollout, each row's call ids, reply ids)."""
+    from tasks import tool_prompt
+    script = [tok(c, add_special_tokens=False)["input_ids"] for c in calls]
+    replies = [tok(env.reply(name, result), add_special_tokens=False)["input_ids"] for name, result in results]
+    budget = max(len(c) + len(x) for c, x in zip(script, replies)) + 4
+    prompt = tool_prompt({"question": "What is 482 * 937?"})
+    r = sample(Forced(model, script), tok, [prompt] * len(calls), 1, budget, [tok.convert_tokens_to_ids("<|im_end|>")],
+               temperature=0.0, env=env)
+    return r, script, replies
+
+
+def check_rows(r, script, replies):
+    """Each row: its forced call, then exactly the template's reply to it (fed as is: its <|im_end|> no stop), then
+    the model's own tokens again; and one call counted per reply in the trajectory."""
+    for i, (call, reply) in enumerate(zip(script, replies)):
+        row, env, own = r.completion_ids[i], r.env_mask[i], r.completion_mask[i].bool()
+        n, m = len(call), len(call) + len(reply)
+        assert row[:n].tolist() == call and own[:n].all() and not env[:n].any()
+        assert row[n:m].tolist() == reply and env[n:m].all()
+        assert own[m], f"row {i} ended at its tool's reply: decoding must go on"
+        spans = int((env[1:] & ~env[:-1]).sum())  # replies in the trajectory (none starts at step 0)
+        assert r.tool_calls[i] == spans, i
+    assert not (r.completion_mask.bool() & r.env_mask).any() and (r.sample_logp[r.env_mask] == 0).all()
+
+
+@pytest.mark.real_model
+def test_real_tool_errors_are_replies_and_decoding_goes_on(real_model):
+    """An unknown tool, a raising call (the calculator's refusal, a tool's exception) and a slow tool, beside a good
+    call, on SmolLM2 with its own template ("tags" format)."""
+    import tools
+    model, tok = real_model
+    env = tools.ToolEnv([tools.calculator, boom, slow], tok, max_calls=2, timeout=0.3)
+    assert env.format == "tags"
+    calls = ["<calculator>1234 * 56</calculator>", "<foo>3</foo>", "<calculator>12 +</calculator>",
+             "<boom>x</boom>", "<slow>x</slow>"]
+    results = [("calculator", "69104"), ("foo", "error: unknown tool 'foo'; tools: calculator, boom, slow"),
+               ("calculator", "error: not an arithmetic expression"), ("boom", "error: boom went the tool"),
+               ("slow", "error: slow timed out after 0.3 s")]
+    r, script, replies = real_rollout(model, tok, env, calls, results)
+    check_rows(r, script, replies)
+    for i, (_, result) in enumerate(results):
+        assert f"{calls[i]}<|im_end|>\n<|im_start|>user\nResult: {result}<|im_end|>\n<|im_start|>assistant\n" \
+            in r.completions[i]  # the text as the template writes a conversation
+    assert r.tool_errors[0] <= r.tool_calls[0] - 1 and (r.tool_errors[1:] >= 1).all()  # row 0's first call: no error
+
+
+@pytest.mark.real_model
+def test_real_malformed_json_call_is_a_reply_and_decoding_goes_on(real_model):
+    import copy
+
+    import tools
+    from test_tools import QWEN_TEMPLATE  # Qwen2.5's tool-use template, shortened: the "json" format
+    model, tok = real_model
+    tok = copy.deepcopy(tok)
+    tok.chat_template = QWEN_TEMPLATE
+    env = tools.ToolEnv([tools.calculator], tok, max_calls=2)
+    assert env.format == "json"
+    good = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1234 * 56"}}\n</tool_call>'
+    calls = [good, '<tool_call>\n{"name": calculator}\n</tool_call>']
+    r, script, replies = real_rollout(model, tok, env, calls, [("calculator", "69104"), (None, tools.MALFORMED)])
+    check_rows(r, script, replies)
+    assert r.tool_errors[0] <= r.tool_calls[0] - 1 and r.tool_errors[1] >= 1
+
+# -----------------------------------------------------------------------------
+# 5. train.py end to end on the toy task with the stub tool (TASKS["toy_tool"], tests/toy.py)
+
+TOY_CALL, TOY_ERROR = toy.VOCAB["w5"], toy.VOCAB["w7"]
+TOY_REPLY = [toy.VOCAB[w] for w in ("w2", "<|im_end|>", "w4")]
+BUDGET = 12  # train_args' --max-new-tokens
+TOOL_KEYS = ("tool_calls", "tool_errors", "env_tokens")
+
+
+def mostly_flat(completions, question, **_):
+    """0.5 for every completion of a question whose first word is w0..w32 (a flat group), toy.frac_even elsewhere:
+    --dynamic-sampling resamples (as tests/test_features.py's)."""
+    even = toy.frac_even(completions)
+    return [0.5 if toy._index(q.split()[0]) < 33 else e for q, e in zip(question, even)]
+
+
+@pytest.fixture
+def tool_tasks(monkeypatch):
+    monkeypatch.setitem(TASKS, "toy_tool", toy.TOOL_TASK)
+    monkeypatch.setitem(TASKS, "toy_tool_flat", toy.TOOL_TASK._replace(reward_fns={"r": mostly_flat},
+                                                                       reward_weights={"r": 1.0}))
+
+
+def replay(r, max_calls=4):
+    """Walk each row's trajectory as the stub's rules say, without its code: an own w5 / w7 is a call (w7 an error)
+    followed by the reply's tokens up to the budget; a call past max_calls is the row's last token; an own stop ends
+    it -> (env_mask (N, C), calls (N,), errors (N,), reply tokens the budget cut (N,))."""
+    N, C = r.completion_ids.shape
+    env, calls, errors, cut = torch.zeros(N, C, dtype=torch.bool), [0] * N, [0] * N, [0] * N
+    for i in range(N):
+        ids, own, n = r.completion_ids[i].tolist(), r.completion_mask[i].tolist(), int(r.attention_mask[i, -C:].sum())
+        t = 0
+        while t < n:
+            assert own[t], (i, t)  # every token that is not a reply is the model's own
+            if ids[t] == toy.EOS:
+                assert t == n - 1 and not r.truncated[i], (i, t)  # an own stop ends the row
+            if ids[t] in (TOY_CALL, TOY_ERROR):
+                if calls[i] == max_calls:
+                    assert t == n - 1 and r.truncated[i], (i, t)  # the call past the limit ends the row
+                    break
+                calls[i], errors[i] = calls[i] + 1, errors[i] + (ids[t] == TOY_ERROR)
+                k = min(L, BUDGET - t - 1)
+                assert ids[t + 1:t + 1 + k] == TOY_REPLY[:k], (i, t)
+                env[i, t + 1:t + 1 + k], cut[i], t = True, cut[i] + L - k, t + 1 + k
+            else:
+                t += 1
+    return env, torch.tensor(calls), torch.tensor(errors), torch.tensor(cut)
+
+
+class LossMasks:
+    """The mask each grpo_loss call of a run gets (train.py calls grpo.grpo_loss per micro-batch and mu pass)."""
+
+    def __init__(self, monkeypatch):
+        self.masks, real = [], grpo.grpo_loss
+
+        def spy(*args, **kw):
+            self.masks.append(args[4].detach().clone())
+            return real(*args, **kw)
+        monkeypatch.setattr(grpo, "grpo_loss", spy)
+
+    def last_step(self, N, C, mu=1, micro_batch=4):
+        """The last step's loss mask (N, C), micro-batches put back together, from each of its mu passes."""
+        calls = self.masks[-mu * (N // micro_batch):]
+        passes = [calls[k:k + N // micro_batch] for k in range(0, len(calls), N // micro_batch)]
+        return [torch.cat([F.pad(m.long(), (0, C - m.size(1))) for m in p]) for p in passes]
+
+
+def check_tool_run(out, g, losses, mu=1, max_calls=4):
+    """The metrics of every step are finite and carry the tool metrics; the last step's (g: train.py's globals, its
+    last rollout r) are the trajectory's, counted by replay; the loss saw the model's own tokens of the kept rows,
+    never a reply's (losses: LossMasks); the sampler's log-probs meet the trainer's on own tokens only."""
+    r = g["r"]
+    N, C = r.completion_ids.shape
+    for mask in losses.last_step(N, C, mu):
+        assert torch.equal(mask, r.completion_mask * g["keep"][:, None])
+    rows = [row for row in read_metrics(out) if "loss" in row]
+    assert len(rows) == 2 and all(math.isfinite(v) for row in rows for v in row.values())
+    for row in rows:
+        assert 0 <= row["tool_errors"] <= row["tool_calls"] and row["env_tokens"] <= L * row["tool_calls"] + 1e-6
+        # fp32, decode loop against the training pass: within 128 eps32 of |log p| <= ~20, 3e-4; a reply token in
+        # the metric's mask would show its whole log-prob there (sample_logp 0 against ~log(1/48) = -3.9)
+        assert row["dlogp_max"] < 1e-3 and row["is_capped"] == 0
+    assert sum(row["tool_calls"] for row in rows) > 0, "the test needs tool calls"
+    env, calls, errors, cut = replay(r, max_calls)
+    assert torch.equal(env, r.env_mask) and torch.equal(calls, r.tool_calls) and torch.equal(errors, r.tool_errors)
+    assert (cut[r.attention_mask[:, -r.completion_ids.size(1):].sum(1) < BUDGET] == 0).all()  # only the budget cuts
+    last = rows[-1]
+    assert last["tool_calls"] == pytest.approx(calls.float().mean().item(), abs=1e-7)
+    assert last["tool_errors"] == pytest.approx(errors.float().mean().item(), abs=1e-7)
+    # env_tokens: the reply's length times the calls, less what the budget cut, on average over the rows
+    assert last["env_tokens"] == pytest.approx((L * calls - cut).float().mean().item(), abs=1e-7)
+    return rows
+
+
+def fresh_toy_state(model_dir):
+    from transformers import LlamaForCausalLM
+    return LlamaForCausalLM.from_pretrained(model_dir).state_dict()
+
+
+@pytest.mark.parametrize("extra", [("--mu", 2), ("--dynamic-sampling",)], ids=["mu2", "dynamic"])
+def test_train_with_tools_end_to_end(model_dir, tmp_path, tool_tasks, monkeypatch, extra):
+    task = "toy_tool_flat" if "--dynamic-sampling" in extra else "toy_tool"
+    losses = LossMasks(monkeypatch)
+    g = run_script(TRAIN, train_args(model_dir, str(tmp_path), "--task", task, *extra, "--config", "export=none"))
+    rows = check_tool_run(str(tmp_path), g, losses, mu=2 if "--mu" in extra else 1)
+    if "--mu" in extra:  # the second update's ratio moved off 1: the old log-probs were read
+        assert max(row["ratio_max"] for row in rows) > 1 + 1e-3
+    else:
+        assert max(row["extra_rollouts"] for row in rows) > 0, "the test needs a resample (rollouts concatenated)"
+    init, trained = fresh_toy_state(model_dir), g["policy"].state_dict()
+    assert all(row["grad_norm"] > 0 for row in rows)
+    assert max((trained[k] - v).abs().max() for k, v in init.items()) > 1e-4  # the run trained
+
+
+def test_train_with_tools_and_lora(model_dir, tmp_path, tool_tasks, monkeypatch):
+    if importlib.util.find_spec("peft") is None:
+        pytest.skip("needs peft: pip install peft")
+    losses = LossMasks(monkeypatch)
+    g = run_script(TRAIN, train_args(model_dir, str(tmp_path), "--task", "toy_tool", "--lora-rank", 4,
+                                     "--config", "export=none"))
+    check_tool_run(str(tmp_path), g, losses)
+    adapters = {k: v for k, v in g["policy"].named_parameters() if "lora_B" in k}  # peft starts B at 0
+    assert adapters and max(v.abs().max() for v in adapters.values()) > 1e-4  # the adapters trained
+
+
+def torchrun(args, timeout=300, **env):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", TOY_TRAIN, *map(str, args)]
+    proc = subprocess.run(cmd, cwd=REPO, env={**subprocess_env(), **env}, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.mark.slow
+def test_train_with_tools_on_two_processes_equals_one(model_dir, tmp_path, tool_tasks, monkeypatch):
+    """2 gloo processes, one prompt each, against 1 process: a generator per prompt slot samples the same rollouts,
+    so the tool metrics (means of small integers over 8 rows: exact in fp32) are equal, the rest to 1e-5 (the same
+    fp32 sums in another order), and the weights to the bounds below."""
+    one, two, dump = str(tmp_path / "one"), str(tmp_path / "two"), str(tmp_path / "params")
+    losses = LossMasks(monkeypatch)
+    g = run_script(TRAIN, train_args(model_dir, one, "--task", "toy_tool", "--config", "export=none"))
+    torchrun(train_args(model_dir, two, "--task", "toy_tool", "--config", "export=none"), TOY_DUMP_PARAMS=dump)
+    check_tool_run(one, g, losses)
+    a, b = read_metrics(one), read_metrics(two)
+    assert len(a) == len(b) == 2
+    for x, y in zip(a, b):
+        assert all(y[k] == x[k] for k in TOOL_KEYS), (x, y)
+        for k in set(x) - TIMING:
+            assert y[k] == pytest.approx(x[k], rel=1e-5, abs=1e-6), k
+    p0, p1 = torch.load(dump + ".rank0.pt"), torch.load(dump + ".rank1.pt")
+    assert all(torch.equal(v, p1[k]) for k, v in p0.items())  # the ranks stay in step
+    # AdamW keeps the relative error (~1e-7) of gradients summed in another order for elements whose gradient is
+    # well above its eps 1e-8: 1e-6 after 2 steps of lr 1e-3; an element whose gradient is rounding noise may move
+    # anywhere in +-lr a step (a handful of 20k): so 1e-6 for all but 0.1%, 2 * steps * lr for every one
+    one_state = g["policy"].state_dict()
+    diff = torch.cat([(one_state[k] - v).abs().flatten() for k, v in p0.items()])
+    assert (diff > 1e-6).float().mean() < 1e-3 and diff.max() <= 4e-3
+    init = fresh_toy_state(model_dir)
+    assert max((p0[k] - v).abs().max() for k, v in init.items()) > 1e-4  # the run trained
+
+# -----------------------------------------------------------------------------
+# 6. evaluate() on a task with tools: tool_calls and called per example, the summary's rates
+
+
+def test_evaluate_counts_tool_calls_per_example_and_in_the_summary():
+    tok, model = make_tokenizer(), tiny()
+    w = {i: W[f"w{i}"] for i in range(20)}
+    examples = [{"question": "w1 w2", "answer": "odd"}, {"question": "w3 w4", "answer": "odd"},
+                {"question": "w6 w8", "answer": "even"}]
+    # n=2 samples each, batch_size 4: batches [ex0, ex1], [ex2]; a group's rows share step 0 (the prefill)
+    batch1 = [[w[10], w[5], _, _, _, w[12], EOS],  # ex0: 1 call
+              [w[10], w[12], EOS],  # ex0: none
+              [w[10], w[5], _, _, _, W["w7"], _, _, _, w[5]],  # ex1: 2 calls (one an error), the third ends it
+              [w[10], W["w7"], _, _, _, EOS]]  # ex1: 1 call, an error
+    batch2 = [[w[10], w[14], EOS], [w[10], w[16], w[18], EOS]]  # ex2: none
+    task = toy.TOOL_TASK
+    summary, records = evaluate(Forced(model, batch1, batch2), tok, task, examples, max_new_tokens=10, batch_size=4,
+                                n=2, progress=False, env=stub(tok, max_calls=2))
+    assert [(x["tool_calls"], x["called"]) for x in records] == [(0.5, 0.5), (1.5, 1.0), (0.0, 0.0)]
+    assert summary["tool_calls"] == pytest.approx(2 / 3) and summary["tool_call_rate"] == pytest.approx(1 / 2)
+    assert records[0]["completions"] == ["w10 w5 w1 <|im_end|> w2 w12", "w10 w12"]
+    # greedy (n=1) with no env given: evaluate builds the task's own (the stub's defaults: max_calls 4, reply w2...)
+    greedy = [[w[10], w[5], _, _, _, w[5], _, _, _, EOS], [w[10], EOS]]
+    summary, records = evaluate(Forced(model, greedy), tok, task, examples[:2], max_new_tokens=10, batch_size=2,
+                                progress=False)
+    assert [(x["tool_calls"], x["called"]) for x in records] == [(2.0, 1.0), (0.0, 0.0)]
+    assert records[0]["completion"] == "w10 w5 w2 <|im_end|> w4 w5 w2 <|im_end|> w4"
+    assert summary["tool_calls"] == 1.0 and summary["tool_call_rate"] == 0.5
+    # a task without tools: no tool fields
+    summary, records = evaluate(Forced(model, greedy), tok, toy.TASK, examples[:2], max_new_tokens=10, batch_size=2,
+                                progress=False)
+    assert "tool_call_rate" not in summary and "tool_calls" not in records[0]
