@@ -93,7 +93,8 @@ def main():
                               f"predictions_{args.task}_{args.split}.jsonl") if args.ckpt else "predictions.jsonl"
         out = args.out or run.fresh(beside)  # a default never replaces a file
         if os.path.isdir(out):
-            raise ValueError(f"--out {out} is a directory; pass a file path such as {os.path.join(out, 'predictions.jsonl')}")
+            raise ValueError(f"--out {out} is a directory; pass a file path such as "
+                             f"{os.path.join(out, 'predictions.jsonl')}")
         folder = os.path.dirname(os.path.abspath(out))
         while not os.path.exists(folder):  # the nearest folder that is there: the rest would be made
             folder = os.path.dirname(folder)
