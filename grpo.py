@@ -37,7 +37,7 @@ def _mean(x, mask):  # over valid entries, 0-dim, no host sync; 0 for an all-mas
 def _max(x, mask):  # as _mean; the min is -_max(-x, mask)
     return torch.where(mask.any(), torch.where(mask, x, -torch.inf).amax(), 0.0)
 
-# ----------------------------------------------------------------------------- advantages
+# --- advantages
 def informative_groups(rewards, group_size):
     """DAPO dynamic sampling (https://arxiv.org/abs/2503.14476 §3.2, eq. 11): group g is informative iff some
     r_gi != r_g0; a flat group gets zero advantages, so no gradient. rewards (N,) -> bool (N/G,)"""
@@ -86,7 +86,7 @@ def process_advantages(step_rewards, step_ends, step_mask, group_size, seq_len, 
     per_token = r.new_zeros(N, seq_len).scatter_add_(1, torch.where(m, step_ends, 0), torch.where(m, norm, 0))
     return per_token.flip(1).cumsum(1).flip(1)  # (N, T): each step's r~ on its last token, summed from t on
 
-# ----------------------------------------------------------------------------- per-token pieces
+# --- per-token pieces
 def importance_ratio(logp, old_logp, mask, level="token"):
     """"token" (the paper): rho_t = exp(logp_t - old_logp_t); "sequence" (GSPO, https://arxiv.org/abs/2507.18071 eq. 7):
     exp(sum_t m_t (logp_t - old_logp_t) / sum_t m_t) on the whole row. (N, T) each -> (N, T), 1 at padding (token)"""
@@ -173,7 +173,7 @@ def top_entropy_mask(entropy, mask, quantile):
     threshold = torch.nanquantile(h.flatten(), 1 - quantile)  # nan quantile skips padding, no host sync
     return mask & (h >= threshold)
 
-# ----------------------------------------------------------------------------- aggregation and the full loss
+# --- aggregation and the full loss
 def aggregate(per_token, mask, loss_type="grpo", num_sequences=None, num_tokens=None, max_len=None):
     """Per-token loss l (N, T) -> 0-dim, |o_i| = sum_t m_it. A call may be a micro-batch of a batch of num_sequences
     rows and num_tokens valid tokens (default: this call's); the calls sum to the batch's loss (bnpo: token means').

@@ -15,7 +15,7 @@ STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")  # lm-eval-harness strict-match,
 NUMBER_RE = re.compile(r"-?\$?\d(?:[\d,]*\d)?(?:\.\d+)?")  # optional sign and `$`, thousands commas, decimals
 FRAC_RE = re.compile(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}")
 
-# ----------------------------------------------------------------------------- answer extraction
+# --- answer extraction
 def extract_gold(solution_text):
     """Gold answer of a GSM8K solution: the text after the last `####`, commas stripped ("#### 1,005" -> "1005")."""
     gold = solution_text.rsplit("####", 1)[1].strip().replace(",", "") if "####" in solution_text else None
@@ -64,7 +64,7 @@ def answers_match(pred, gold):
     except (ValueError, ZeroDivisionError):
         return p == g
 
-# ----------------------------------------------------------------------------- reward fns: fn(completions, **fields)
+# --- reward fns: fn(completions, **fields)
 def correctness_reward(completions, answer, **_):
     """1.0 where the final-answer line (strict `#### N`, else `\\boxed{}`) matches the gold answer."""
     return [float(answers_match(extract_answer(c), a)) for c, a in zip(completions, answer)]
@@ -86,7 +86,7 @@ def overlong_reward(max_len, buffer):
                 for n in map(float, num_tokens)]
     return overlong
 
-# ----------------------------------------------------------------------------- combining
+# --- combining
 def parse_weights(spec, reward_fns):
     """"correct=1,format=0.1" -> {name: weight}; ValueError names the item that is not name=finite number."""
     weights = {}

@@ -75,15 +75,6 @@ def stop_token_ids(tokenizer, model):
     ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
     return sorted(i for i in ids if i is not None)
 
-def completion_mask_from_stops(completion_ids, stop_ids):
-    """(N, C) sampled ids -> (mask (N, C) up to and including the first stop, truncated (N,) bool)."""
-    N, C = completion_ids.shape
-    is_stop = torch.isin(completion_ids, torch.as_tensor(stop_ids, device=completion_ids.device))  # (N, C)
-    has_stop = is_stop.any(1)  # (N,)
-    first = torch.where(has_stop, is_stop.int().argmax(1), C)  # (N,) C when no stop: keep the whole row
-    mask = torch.arange(C, device=completion_ids.device)[None] <= first[:, None]  # (N, C)
-    return mask.long(), ~has_stop
-
 def filter_logits(logits, top_p=1.0):
     """Nucleus filtering, logits (N, V) -> (N, V): a token goes (-inf) once the mass before it reaches top_p."""
     if top_p >= 1.0:
@@ -215,9 +206,7 @@ def micro_batches(r, size):
         lo, hi = used.min().item(), used.max().item() + 1
         yield slice(i, i + size), r.input_ids[i:i + size, lo:hi], mask[i:i + size, lo:hi], hi - P
 
-# -----------------------------------------------------------------------------
-# teacher-forced log-probs
-
+# --- teacher-forced log-probs
 def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False, ref=None):
     """Log-prob of each target under the `lm_head` module: hidden (n, H), targets (n,) -> logp (n,), entropy (n,)
     or None, kl (n,) or None. Each chunk's (chunk, V) logits are made, used, dropped and checkpointed under autograd

@@ -8,6 +8,7 @@ holds tensors, numbers, strings and plain containers only, and is read with torc
 
 import ast
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -36,9 +37,7 @@ def fresh(path):
     stem, ext = os.path.splitext(path)
     return next(p for i in range(10**6) if not os.path.exists(p := f"{stem}-{i}{ext}" if i else path))
 
-# -----------------------------------------------------------------------------
-# flags
-
+# --- flags
 def _config(p, spec, keys):
     """A config file, or an inline `name=value` (a value that is no literal is a string) -> {name: value}; a
     mistake is one p.error line."""
@@ -70,12 +69,14 @@ def _config(p, spec, keys):
 
 def parse(p, ranges, constants, argv=None):
     """Flags with config files and --resume applied, every value checked -> (args, the checkpoint to resume
-    from or None). constants: {name: (default, choices tuple or range)} of the values only config files set."""
-    flags = {a.dest for a in p._actions} - {"help", "config"}
+    from or None, the names whose value is not the default). constants: {name: (default, choices tuple or range)}
+    of the values only config files set."""
+    flags, defaults = {a.dest for a in p._actions} - {"help", "config"}, vars(p.parse_args([]))
     pre = p.parse_known_args(argv)[0]
     configs = [_config(p, c, flags | set(constants)) for c in pre.config]
     resume = user_path(pre.resume) or next((c["resume"] for c in reversed(configs) if c.get("resume")), None)
     values, ckpt, saved = {k: d for k, (d, _) in constants.items()}, None, {}
+    defaults.update(values)
     if resume:
         try:
             ckpt_path, ckpt = load_checkpoint(resume)
@@ -103,8 +104,7 @@ def parse(p, ranges, constants, argv=None):
             if k in saved and saved[k] != getattr(args, k):
                 p.error(f"--resume {resume}: the run was trained with --{k.replace('_', '-')} {saved[k]!r}, not "
                         f"{getattr(args, k)!r}; resuming would mix two runs: drop that flag or start a new --out-dir")
-    return args, ckpt
-
+    return args, ckpt, {k for k, v in vars(args).items() if v != defaults.get(k, v)}
 
 KINDS = {bool: (lambda v: isinstance(v, bool), "True or False"), int: (lambda v: type(v) is int, "an integer"),
          float: (lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number"),
@@ -119,10 +119,10 @@ def _in_range(v, spec):
     return v > float(bound) if op == ">" else v >= float(bound)
 
 def check(p, args, ranges, constants=None, nullable=None):
-    """Every value's type (config files bypass argparse's conversion), choices and range -> p.error."""
+    """Every value's type (config files bypass argparse's conversion), choices and range -> p.error. A number is
+    >= 0 unless `ranges` says otherwise."""
     items = [(a.dest, a.option_strings[-1], a.type if a.type in KINDS else bool if a.const in (True, False) else str,
-              a.choices,
-              ranges.get(a.dest), a.default is None if nullable is None else a.dest in nullable)
+              a.choices, ranges.get(a.dest, ">= 0"), a.default is None if nullable is None else a.dest in nullable)
              for a in p._actions if a.option_strings and a.dest not in ("help", "config") and hasattr(args, a.dest)]
     items += [(k, f"config key {k}", type(d), spec if isinstance(spec, tuple) else None,
                spec if isinstance(spec, str) else None, False) for k, (d, spec) in (constants or {}).items()]
@@ -134,13 +134,10 @@ def check(p, args, ranges, constants=None, nullable=None):
             p.error(f"{flag} must be {KINDS[kind][1]}, got {v!r}")
         elif v is not None and choices is not None and v not in choices:
             p.error(f"{flag} {v!r}: choose from {sorted(choices)}")
-        elif v is not None and spec and not _in_range(v, spec):
+        elif v is not None and spec and kind in (int, float) and not _in_range(v, spec):
             p.error(f"{flag} must be {spec}, got {v!r}")
 
-# -----------------------------------------------------------------------------
-# the directory
-
-
+# --- the directory
 HELD = []  # the locks this process holds (a test running train.py in process releases them)
 
 def claim(out_dir, resume, overwrite):
@@ -228,9 +225,7 @@ def last_checkpoint(out_dir, steps):
         f"python eval.py --ckpt {out_dir} --export DIR exports it"
     return f"the last checkpoint is {os.path.join(out_dir, 'ckpt.pt')} (step {step}): {go_on}"
 
-# -----------------------------------------------------------------------------
-# checkpoints
-
+# --- checkpoints
 def save(state, path):
     """torch.save to path via path.tmp and a rename -> None, or a one-line reason it could not (temp removed)."""
     tmp = path + ".tmp"
@@ -306,8 +301,19 @@ def restore(ckpt, out_dir, policy, optimizer, scheduler, scaler, ref=None, rank=
     random.setstate(ckpt["rng"][rank]["python"])
     return ckpt["step"]
 
-# -----------------------------------------------------------------------------
-# the metrics log
+# --- seeds, the metrics log and what processes agree on
+def seed_of(*parts):  # a generator's seed from the run's seed, the step, ...: the same in any process, on resume
+    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "little")
+
+def all_reduce(x, op="mean"):
+    """Mean / max / min of a float tensor over torchrun's processes; x itself in one process."""
+    if not dist.is_initialized():
+        return x
+    dist.all_reduce(x, {"mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
+    return x / dist.get_world_size() if op == "mean" else x
+
+def reduce_op(name):  # how a metric is summarised over micro-batches and processes: *_max, *_min, else the mean
+    return "max" if name.endswith("_max") else "min" if name.endswith("_min") else "mean"
 
 class MetricsLog:
     """OUT_DIR/metrics.jsonl (a non-finite value as null) + a tracker; a resume drops later and torn lines first."""

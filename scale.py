@@ -70,11 +70,6 @@ def average_gradients(params, world):
         if q.grad is not None:
             q.grad.div_(world)
 
-def all_reduce(x, op="mean"):
-    """Mean / max / min over ranks of a float tensor."""
-    dist.all_reduce(x, {"mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
-    return x / dist.get_world_size() if op == "mean" else x
-
 def all_gather(x):
     """Every rank's x (n, ...) -> (world * n, ...), in rank order."""
     everyone = [torch.empty_like(x) for _ in range(dist.get_world_size())]

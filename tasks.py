@@ -71,7 +71,6 @@ def _check(split, ops="+", n=None, data_dir=None):  # the generators' checks -> 
         raise ValueError(f"unknown arith operator(s) {sorted(set(ops) - set('+-*'))}; use a string of +-*, e.g. '+-'")
     return n if n is not None else (200 if split == "test" else 10_000)
 
-
 # gsm8k: from a local copy, or downloaded once and checked by sha256
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
 GSM8K_SHA256 = {"train": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
@@ -119,7 +118,6 @@ def load_gsm8k(split, data_dir=None):
         raise DataError(f"no examples in {path}; {GSM8K_HINT}")
     return examples
 
-
 # arith and arith_steps: generated, split by a hash of the problem; arith_steps' reward per step (step_positions)
 ARITH_DIGITS, ARITH_OPS = 1, "+-*"  # default difficulty: within reach of a 135M model, whose gain is mostly format
 ARITH_TEST_PERCENT = 80  # test-only share: the default 255 problems hold >= 200 held-out, train ~51: must generalise
@@ -164,7 +162,6 @@ def load_arith_steps(split, data_dir=None, n=None, ops=ARITH_OPS, seed=0):
     space = [(a, o1, b, o2, c) for o1 in ops for o2 in ops for a in range(10) for b in range(10) for c in range(10)]
     return [{"question": "What is {} {} {} {} {}?".format(*p), "answer": str(_evaluate(*p))}
             for p in _sample_split(space, split, n, random.Random(seed))]
-
 
 NUM = r"\s*(-?\d+)\s*"
 STEP_RE = re.compile(rf"{NUM}([-+*x×]){NUM}={NUM}")  # a op b = c
@@ -211,7 +208,6 @@ def score(completion, example):  # shared by all tasks
     return {"pred": pred, "strict": answers_match(pred, example["answer"]),
             "flexible": answers_match(extract_flexible(completion), example["answer"]),
             "format": has_final_answer(completion)}
-
 
 # format gets a small weight: a push towards the `####` line, which correctness needs first
 REWARDS, WEIGHTS = {"correct": correctness_reward, "format": format_reward}, {"correct": 1.0, "format": 0.1}

@@ -4,7 +4,7 @@ each -> rewards -> group advantages -> reference log-probs -> mu optimizer steps
 where the defaults depart from the paper. `torchrun --nproc_per_node=N train.py ...` runs over N processes.
 """
 
-import argparse, copy, dataclasses, hashlib, importlib.util, math, os, sys, time  # noqa: E401
+import argparse, copy, dataclasses, importlib.util, math, os, sys, time  # noqa: E401
 from contextlib import nullcontext
 from functools import partial
 
@@ -17,8 +17,7 @@ from models import DTYPES, check_dtype, load_model, load_tokenizer, native_bf16,
 from rewards import RewardError, combine_rewards, overlong_reward, parse_weights
 from tasks import TASKS, evaluate, step_positions
 
-# -----------------------------------------------------------------------------
-# flags: defaults here, then --config files, then the command line (run.parse checks every value)
+# --- flags: defaults here, then --config files, then the command line (run.parse checks every value)
 fmt = type("Help", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {})  # + defaults
 p = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
 p.add_argument("--config", action="append", default=[], help="a file of `name = value` lines, or name=value")
@@ -77,15 +76,12 @@ CONSTANTS = {  # knobs few would sweep: (default, range or choices); set in a co
     "cispo_cap": (5.0, ">= 1"), "sapo_temperature_pos": (1.0, "> 0"), "sapo_temperature_neg": (1.05, "> 0"),
     "max_tool_calls": (4, ">= 1")}  # a task with tools: a row's next call ends it (tools.py)
 RANGES = {"group_size": ">= 2", "prompts_per_step": ">= 1", "micro_batch": ">= 1", "max_new_tokens": ">= 1",
-          "temperature": "> 0", "steps": ">= 1", "mu": ">= 1", "lr": "> 0", "beta": ">= 0", "eps": "[0, 1)",
-          "eps_high": ">= 0", "delta": "> 1", "entropy_coef": ">= 0", "top_entropy_quantile": "(0, 1]",
-          "overlong_buffer": ">= 0", "seed": "[0, 9e18]", "eval_every": ">= 0", "eval_n": ">= 0", "lora_rank": ">= 0"}
-defaults = {**vars(p.parse_args([])), **{k: d for k, (d, _) in CONSTANTS.items()}}  # what a value is, not given
-args, ckpt = run.parse(p, RANGES, CONSTANTS)
+          "temperature": "> 0", "steps": ">= 1", "mu": ">= 1", "lr": "> 0", "eps": "[0, 1)", "delta": "> 1",
+          "top_entropy_quantile": "(0, 1]", "seed": "[0, 9e18]"}  # any other number: >= 0
+args, ckpt, given = run.parse(p, RANGES, CONSTANTS)  # given: what a config file or a flag set
 run.exit_on_interrupt(partial(run.last_checkpoint, args.out_dir, args.steps))  # Ctrl-C / SIGTERM: one line
 
-# -----------------------------------------------------------------------------
-# setup: processes, the checks that need more than one flag, device and dtype, the out dir
+# --- setup: processes, the checks that need more than one flag, device and dtype, the out dir
 ddp = int(os.environ.get("WORLD_SIZE", 1)) > 1
 rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
 master, task, G, local_prompts = rank == 0, TASKS[args.task], args.group_size, args.prompts_per_step // world
@@ -107,7 +103,6 @@ for bad, why in [  # one line each, before anything loads
         (args.log_to != "none" and not importlib.util.find_spec(args.log_to), f"log_to: pip install {args.log_to}")]:
     if bad:
         p.error(why)
-given = {k for k, v in vars(args).items() if v != defaults.get(k, v)}  # set by a config file or a flag
 notes = [f"note: {name} has no effect in this run ({why})" for names, why in [
     ("kl_estimator ref_device ref_sync_every", args.beta == 0 and "--beta 0: no reference"),
     ("cispo_cap", args.loss_type != "cispo" and "not --loss-type cispo"),
@@ -151,8 +146,7 @@ env = task.tools(tokenizer, args.max_tool_calls) if task.tools else None  # a To
 torch.manual_seed(args.seed + rank)
 autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
-# -----------------------------------------------------------------------------
-# models
+# --- models
 try:
     home = torch.device("cpu") if args.fsdp else device  # --fsdp: each rank moves only its shards to device
     policy = load_model(args.model, home, torch.float32, matmul_dtype=dtype if args.lora_rank else None)  # fp32 master
@@ -198,17 +192,7 @@ if master:  # run.json, the resolved flags: the marker that out_dir holds a run 
     print(f"prompt sharing off: {why}; the log-prob passes run whole rows" if why else "prompt sharing: on")
     run.write_json(os.path.join(args.out_dir, "run.json"), {**vars(args), "eps_high": obj.eps_high})
 
-# -----------------------------------------------------------------------------
-# helpers
-def seed_of(*parts):
-    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "little")
-
-def all_reduce(x, op="mean"):  # mean / max / min over ranks
-    return scale.all_reduce(x, op) if ddp else x
-
-def reduce_op(name):  # how a metric is summarised over micro-batches and ranks
-    return "max" if name.endswith("_max") else "min" if name.endswith("_min") else "mean"
-
+# --- helpers
 def collect(step):
     """This rank's batch -> (Rollout, examples, rewards (N,), keep (N,) bool, stats). A fixed shuffle per epoch and a
     generator per prompt slot: a resumed run, or one over more processes, samples the same. --dynamic-sampling (DAPO
@@ -216,10 +200,10 @@ def collect(step):
     parts, (epoch, k) = [], divmod(step, len(train_set) // args.prompts_per_step)
     for attempt in range(1 + args.max_resample * args.dynamic_sampling):
         order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(
-            args.seed + epoch if attempt == 0 else seed_of(args.seed, step, attempt)))
+            args.seed + epoch if attempt == 0 else run.seed_of(args.seed, step, attempt)))
         first = (0 if attempt else k * args.prompts_per_step) + rank * local_prompts
         slots = range(first, first + local_prompts)
-        exs, gens = [train_set[order[i]] for i in slots], [torch.Generator().manual_seed(seed_of(
+        exs, gens = [train_set[order[i]] for i in slots], [torch.Generator().manual_seed(run.seed_of(
             args.seed, step, attempt, i)) for i in slots]
         with gathered(policy):
             r = rollout.sample(policy, tokenizer, [task.prompt(e) for e in exs], G, args.max_new_tokens, stops,
@@ -252,7 +236,7 @@ def update(losses, step):
     norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip or math.inf)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
     # fp16 overflows are the scaler's business (it skips and lowers its scale); anything else non-finite is ours
-    finite = all_reduce(torch.isfinite(sum(losses)).float(), "min") > 0 and (scaler.is_enabled() or norm.isfinite())
+    finite = run.all_reduce(torch.isfinite(sum(losses)).float(), "min") > 0 and (scaler.is_enabled() or norm.isfinite())
     if finite:
         scaler.step(optimizer)
     else:
@@ -273,8 +257,7 @@ def run_eval(step):
             tqdm.write(f"eval step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in summary.items()))
             log.write({"step": step, **{f"eval/{k}": v for k, v in summary.items()}})
 
-# -----------------------------------------------------------------------------
-# the loop
+# --- the loop
 log = run.MetricsLog(args.out_dir, args.log_to, vars(args), start_step) if master else None
 bad_steps, save_failed, export_failed = 0, None, None
 if start_step == 0 and args.eval_every:
@@ -294,8 +277,8 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
         adv, row["reward/step"] = grpo.process_advantages(values, ends, smask, G, C), values[smask].mean()
         adv = adv.to(device)
     loss_mask = r.completion_mask * keep[:, None] * (~r.truncated[:, None] if args.mask_truncated else 1)  # (N, C)
-    num_tokens = all_reduce(loss_mask.sum().float()).clamp(min=1)  # per-rank shares of the batch's counts
-    num_sequences = all_reduce(keep.sum().float())
+    num_tokens = run.all_reduce(loss_mask.sum().float()).clamp(min=1)  # per-rank shares of the batch's counts
+    num_sequences = run.all_reduce(keep.sum().float())
     with ref_off():  # 3. the reference's log-probs (N, C) on its device (full KL: its hidden states, per micro-batch)
         ref_out = None if ref is None else rollout.batch_logprobs(ref, r, args.micro_batch, args.temperature, share,
                                                                   ref_dtype, hidden=full_kl)
@@ -332,7 +315,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     # 5. metrics: per-rank values averaged over ranks (max / min for *_max / *_min); rank 0 writes
     if not skip:  # |sampling log-prob - training log-prob| of the first pass, over the whole batch
         row.update(grpo.behaviour_weights(first_logp, r.sample_logp, r.completion_mask, "none")[1])
-    row.update({k: max(v) if reduce_op(k) == "max" else min(v) if reduce_op(k) == "min" else sum(v) / len(v)
+    row.update({k: max(v) if run.reduce_op(k) == "max" else min(v) if run.reduce_op(k) == "min" else sum(v) / len(v)
                 for k, v in stats.items()}, loss=sum(stats.get("loss", [0])) / args.mu, reward=rewards.mean(),
                reward_std=all_rewards.std(), frac_zero_std=frac_zero, completion_len=lengths.float().mean(),
                completion_len_max=lengths.max().float(), truncated=r.truncated.float().mean(), grad_norm=grad_norm,
@@ -341,7 +324,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     if env is not None:  # per row: tool calls, the ones that got an error, tokens of the tools' replies
         row.update(tool_calls=r.tool_calls.float().mean(), tool_errors=r.tool_errors.float().mean(),
                    env_tokens=r.env_mask.sum(1).float().mean())
-    row = {k: all_reduce(torch.as_tensor(v, dtype=torch.float32, device=device).detach(), reduce_op(k)).item()
+    row = {k: run.all_reduce(torch.as_tensor(v, dtype=torch.float32, device=device).detach(), run.reduce_op(k)).item()
            for k, v in row.items()}
     row.update(step=step + 1, lr=lr, t_generate=t1 - t0, t_reference=t2 - t1, t_train=t3 - t2, t_step=t3 - t0)
     if master:
@@ -358,8 +341,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
         if save_failed:
             tqdm.write(f"warning: step {step + 1}: {save_failed}")
 
-# -----------------------------------------------------------------------------
-# the end: a final eval, then the export when asked (else `eval.py --ckpt OUT_DIR --export DIR` does it any time)
+# --- the end: a final eval, then the export when asked (else `eval.py --ckpt OUT_DIR --export DIR` does it any time)
 run_eval(args.steps)
 state = scale.full_state_dict(policy) if args.fsdp and args.export != "none" else None  # every rank gathers
 if master and args.export != "none":  # last: a LoRA policy is merged into its base in place

@@ -295,7 +295,8 @@ def scripted_sampler(tok, real_sample, record):
                 golds.append(gold)
         C = max(map(len, rows))
         completion_ids = torch.tensor([x + [stop_ids[0]] * (C - len(x)) for x in rows])  # (N, C)
-        completion_mask, truncated = rollout.completion_mask_from_stops(completion_ids, stop_ids)
+        completion_mask = (torch.arange(C)[None] < torch.tensor(list(map(len, rows)))[:, None]).long()  # to the stop
+        truncated = torch.zeros(len(rows), dtype=torch.bool)  # every row ends in its stop token
         texts = tokenizer.batch_decode([x[:-1] for x in rows], skip_special_tokens=True)  # as sample() decodes
         r = rollout.Rollout(base.prompt_ids, base.prompt_mask, completion_ids, completion_mask, truncated,
                             texts, torch.zeros(len(rows), C), base.prompt_cut,

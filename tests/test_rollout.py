@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from conftest import DECODE, ENDOFTEXT, EOS, GRADS, VOCAB, assert_close_scaled, make_model, make_tokenizer
 from rollout import stop_token_ids
-from rollout import (Rollout, completion_mask_from_stops, completion_hidden, concat, encode_prompts, filter_logits,
+from rollout import (Rollout, completion_hidden, concat, encode_prompts, filter_logits,
                      head_logprobs, left_pad, sample, sample_from_logits, token_logprobs)
 
 # prompts of very different lengths so left padding is real
@@ -54,25 +54,6 @@ def _ragged_batch(P=5, C=6, seed=0):
 
 # -----------------------------------------------------------------------------
 # masks and stop ids
-
-def test_completion_mask_from_stops_hand_cases():
-    ids = torch.tensor([[5, 6, 3, 7, 3],   # stop at 2: keep it, drop what follows (incl. a second stop)
-                        [5, 0, 3, 3, 3],   # second stop id at 1; pad == eos after it must not count
-                        [5, 6, 7, 8, 9],   # no stop: whole row, truncated
-                        [3, 3, 3, 3, 3],   # stop first: only the stop token
-                        [5, 5, 5, 5, 0]])  # stop on the last token: whole row, not truncated
-    mask, truncated = completion_mask_from_stops(ids, [3, 0])
-    assert mask.tolist() == [[1, 1, 1, 0, 0],
-                             [1, 1, 0, 0, 0],
-                             [1, 1, 1, 1, 1],
-                             [1, 0, 0, 0, 0],
-                             [1, 1, 1, 1, 1]]
-    assert truncated.tolist() == [False, False, True, False, False]
-    # one stop id only: row 1's first stop is now the 3 at position 2
-    mask, truncated = completion_mask_from_stops(ids, [3])
-    assert mask[1].tolist() == [1, 1, 1, 0, 0] and mask[4].tolist() == [1] * 5
-    assert truncated.tolist() == [False, False, True, False, True]
-
 
 class Scripted(torch.nn.Module):
     """Wraps a model for sample(): decode step t of row r is forced to script[t][r] when >= 0; free
