@@ -1,9 +1,8 @@
-"""Sampling G completions per prompt, and teacher-forced log-probs of the sampled tokens, all through the model's
-own modules: `model(...)` with transformers' KV cache to sample, its decoder and `lm_head` for log-probs, so a
-fork's LoRA, hook or swapped layer is what runs. Conventions: rows are grouped contiguously (prompt i owns rows
-i*G ... i*G+G-1); prompts are left-padded, completions right-padded; position_ids = cumsum(attention_mask) - 1;
-completion_mask covers the completion up to AND including the first stop token, found by position, never from
-pad_token_id (SmolLM2's pad is its EOS: a pad-based mask would drop the EOS, and the model never learns to stop)."""
+"""Sampling G completions per prompt, and teacher-forced log-probs of the sampled tokens, through the model's own
+modules (`model(...)` and its KV cache; its decoder and `lm_head`): a fork's LoRA, hook or swapped layer is what runs.
+Rows are grouped contiguously (prompt i owns rows i*G ... i*G+G-1); prompts left-padded, completions right-padded;
+position_ids = cumsum(attention_mask) - 1; completion_mask runs up to AND including the first stop token, found by
+position, never from pad_token_id (SmolLM2's pad is its EOS: the model would never learn to stop)."""
 
 import inspect
 from contextlib import contextmanager, nullcontext
@@ -90,9 +89,8 @@ def sample_from_logits(logits, u):
     cdf = logits.softmax(-1).cumsum(-1)  # (N, V)
     return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=cdf.size(-1) - 1).squeeze(1)
 
-def _cache_kwarg(module, cache):
-    """{name: cache} as module.forward takes it: `cache` from transformers 5.24 on (`past_key_values` warns
-    there), `past_key_values` before."""
+def _cache_kwarg(module, cache):  # transformers 5.24 renamed past_key_values (which warns there) to cache
+
     names = inspect.signature(module.forward).parameters
     return {"cache" if "cache" in names else "past_key_values": cache}
 
@@ -183,9 +181,8 @@ def concat(rollouts):
 
 @torch.no_grad()
 def batch_logprobs(model, r, micro_batch, temperature=1.0, share=True, dtype=None, hidden=False):
-    """Teacher-forced log-probs (N, C) of a Rollout's completions under `model`, no grad, in `dtype` autocast on the
-    model's device, micro-batch by micro-batch; only the results travel to the rollout's device. hidden=True: the
-    final hidden states instead, one (rows, c, H) per micro-batch (the full KL's reference)."""
+    """No-grad log-probs (N, C) of a Rollout's tokens under `model` on its device, micro-batch by micro-batch; only
+    results travel to the rollout's device. hidden: the final hidden states, (rows, c, H) a micro-batch (full KL)."""
     device = r.completion_ids.device
     out = [] if hidden else torch.zeros(r.completion_ids.shape, device=device)  # (N, C)
     with _autocast(model, dtype):
@@ -197,9 +194,8 @@ def batch_logprobs(model, r, micro_batch, temperature=1.0, share=True, dtype=Non
     return out
 
 def micro_batches(r, size):
-    """Yield (rows, input_ids, attention_mask, c) for each slice of `size` rows of a Rollout, trimmed to the
-    columns its rows use: leading all-padding prompt columns (cumsum positions do not change) and the
-    completion columns after its longest completion; c is the number of completion columns kept."""
+    """(rows, input_ids, attention_mask, c) for each slice of `size` rows of a Rollout, without the columns no row
+    of it uses (positions are cumsums: they do not change); c: the completion columns kept."""
     mask, P = r.attention_mask, r.prompt_ids.size(1)  # (N, P+C)
     for i in range(0, mask.size(0), size):
         used = mask[i:i + size].any(0).nonzero()  # prompts are left-padded, completions right-padded
@@ -248,8 +244,8 @@ def _check_outer(model):
 
 @contextmanager
 def _root_gathered(model):
-    """FSDP2 gathers a unit in its own forward; the decoder and the lm_head run without the root's
-    forward, so gather the root (embeddings, norm, head) here. With grad, FSDP frees it after backward."""
+    """FSDP2 gathers a unit in its forward; the decoder and the lm_head run without the root's, so the root
+    (embeddings, norm, head) is gathered here. With grad, FSDP frees it after backward."""
     if fsdp := hasattr(model, "unshard"):
         model.unshard()
     yield
@@ -257,8 +253,7 @@ def _root_gathered(model):
         model.reshard()
 
 def _shared_prompts(prompt_ids, prompt_mask):
-    """Rows whose prompt (ids and mask) equals the previous row's share it -> (the first row of each
-    distinct prompt (B,), the prompt of each row (N,))."""
+    """Rows with the previous row's prompt (ids and mask) share it -> (each distinct prompt's first row (B,), (N,))"""
     same = ((prompt_ids[1:] == prompt_ids[:-1]) & (prompt_mask[1:] == prompt_mask[:-1])).all(1)  # (N-1,)
     new = torch.cat([same.new_ones(1), ~same])  # (N,)
     return new.nonzero().squeeze(1), new.long().cumsum(0) - 1
