@@ -352,6 +352,7 @@ if master and args.export != "none":  # last: a LoRA policy is merged into its b
 if master:
     log.close()
 if ddp:
+    dist.barrier()  # every rank leaves together: one that left while rank 0 exports can abort the run
     dist.destroy_process_group()
 if save_failed or export_failed:
     sys.exit(f"error: {'the last checkpoint was not written: ' + save_failed if save_failed else export_failed}")
