@@ -74,15 +74,6 @@ def stop_token_ids(tokenizer, model):
     ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
     return sorted(i for i in ids if i is not None)
 
-def filter_logits(logits, top_p=1.0):
-    """Nucleus filtering, logits (N, V) -> (N, V): a token goes (-inf) once the mass before it reaches top_p."""
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, idx = logits.sort(dim=-1, descending=True)  # (N, V)
-    probs = sorted_logits.softmax(-1)
-    drop = (probs.cumsum(-1) - probs) >= top_p
-    return logits.masked_fill(drop.scatter(-1, idx, drop), float("-inf"))
-
 def sample_from_logits(logits, u):
     """One token per row by inverse CDF from one uniform u (N,) in [0, 1): one random number per row, not
     per vocabulary entry as torch.multinomial. A -inf token has an empty CDF interval: never drawn."""
@@ -101,16 +92,16 @@ def _autocast(model, dtype):
     return torch.autocast(p.device.type, dtype=dtype) if on else nullcontext()
 
 @torch.no_grad()
-def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature=1.0, top_p=1.0,
-           generator=None, dtype=None, max_prompt_tokens=None, env=None):
+def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature=1.0, generator=None,
+           dtype=None, max_prompt_tokens=None, env=None):
     """Sample `group_size` completions for each prompt (temperature 0: greedy) through `model(...)` and its KV
     cache: each prompt is prefilled once and its cache repeated G times; all rows decode together until each has
     a stop token or max_new_tokens is reached. generator: a torch.Generator, or one per prompt (its completions
     then do not depend on its neighbours or the process). max_prompt_tokens: longer prompts keep their last ones.
     env (tools.ToolEnv): a row that calls a tool is fed the tool's reply, one token a step, and decodes on."""
-    if group_size < 1 or max_new_tokens < 1 or not temperature >= 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need group_size, max_new_tokens >= 1, temperature >= 0, 0 < top_p <= 1; got "
-                         f"{group_size}, {max_new_tokens}, {temperature}, {top_p}")
+    if group_size < 1 or max_new_tokens < 1 or not temperature >= 0:
+        raise ValueError(f"need group_size, max_new_tokens >= 1, temperature >= 0; got {group_size}, {max_new_tokens}, "
+                         f"{temperature}")
     was_training, G = model.training, group_size
     model.eval()  # no dropout, and HF drops the KV cache in train mode under gradient checkpointing
     device, pad_id = next(model.parameters()).device, stop_ids[0]  # any pad id works: padding is masked everywhere
@@ -139,7 +130,7 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
             mask, pos = mask.repeat_interleave(G, 0), pos[:, -1:].repeat_interleave(G, 0)  # (N, P), (N, 1)
             for t in range(max_new_tokens):
                 logits = logits.float() / (temperature or 1.0)  # (N, V)
-                tok = sample_from_logits(filter_logits(logits, top_p), u[:, t]) if temperature else logits.argmax(-1)
+                tok = sample_from_logits(logits, u[:, t]) if temperature else logits.argmax(-1)  # (N,)
                 real[:, t], tok = ~done, tok.masked_fill(done, pad_id)  # (N,)
                 if env is not None:  # a row in a tool's reply takes the reply's next token instead
                     tok, is_env[:, t], end = env.step(tok, done)

@@ -67,7 +67,7 @@ g.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this r
 g.add_argument("--fsdp", action="store_true", help="under torchrun: shard weights, grads, AdamW states (FSDP2)")
 CONSTANTS = {  # knobs few would sweep: (default, range or choices); set in a config file or as --config name=value
     "lr_schedule": ("constant", ("constant", "cosine")), "warmup_steps": (0, ">= 0"),  # cosine: to 10% of --lr
-    "weight_decay": (0.0, ">= 0"), "grad_clip": (1.0, ">= 0"), "top_p": (1.0, "(0, 1]"),  # grad_clip 0: off
+    "weight_decay": (0.0, ">= 0"), "grad_clip": (1.0, ">= 0"),  # grad_clip 0: off
     "is_cap": (2.0, "> 0"), "max_resample": (4, ">= 0"),  # --is-mode's cap (TIS: 2); --dynamic-sampling's extra
     "ref_sync_every": (0, ">= 0"),  # every N steps the reference becomes the policy (§4.2); 0 = never
     "save_every": (50, ">= 0"), "log_completions": (10, ">= 0"),  # checkpoints (+ one at the end); samples shown
@@ -207,7 +207,7 @@ def collect(step):
             args.seed, step, attempt, i)) for i in slots]
         with gathered(policy):
             r = rollout.sample(policy, tokenizer, [task.prompt(e) for e in exs], G, args.max_new_tokens, stops,
-                               args.temperature, args.top_p, gens, dtype, max_prompt, env)
+                               args.temperature, gens, dtype, max_prompt, env)
         fields = {f: [e[f] for e in exs for _ in range(G)] for f in exs[0]}  # each example's fields, G times
         try:
             total, per_fn = combine_rewards(reward_fns, weights, r.completions, **fields,

@@ -165,10 +165,10 @@ def test_config_value_of_the_wrong_type_is_refused(model_dir, tmp_path, capsys, 
 
 # config-only keys (no flag): a bad value names the key as the user wrote it, and what was wrong with it
 CONFIG_ONLY = [
-    ("top_p", 0, ["top_p", "0"]),
-    ("top_p", 1.5, ["top_p", "1.5"]),
-    ("top_p", "high", ["top_p", "high"]),
     ("is_cap", 0, ["is_cap", "0"]),
+    ("is_cap", "high", ["is_cap", "high"]),
+    ("max_tool_calls", 0, ["max_tool_calls", "0"]),
+    ("cispo_cap", 0.5, ["cispo_cap", "0.5"]),
     ("warmup_steps", -1, ["warmup_steps", "-1"]),
     ("weight_decay", -0.1, ["weight_decay", "-0.1"]),
     ("grad_clip", None, ["grad_clip", "None"]),
@@ -182,7 +182,7 @@ CONFIG_ONLY = [
     ("export", "zip", ["export", "zip", "adapter"]),
     ("export", "adapter", ["adapter", "--lora-rank"]),  # an adapter needs adapters
     ("lr_scheule", "cosine", ["lr_scheule"]),  # a typo: unknown key
-    ("top_k", 5, ["top_k"]),  # a removed flag is no key either
+    ("top_k", 5, ["top_k"]),  # no such key
 ]
 
 
@@ -190,7 +190,7 @@ CONFIG_ONLY = [
 @pytest.mark.parametrize("key, value, fragments", CONFIG_ONLY, ids=lambda x: str(x))
 def test_bad_config_only_value_is_one_line_before_the_model_loads(model_dir, tmp_path, capsys, no_model_load, source,
                                                                   key, value, fragments):
-    """`--config key=value` reads value as a Python literal, else as a plain string: `top_p=high` is 'high'."""
+    """`--config key=value` reads value as a Python literal, else as a plain string: `is_cap=high` is 'high'."""
     cfg = tmp_path / "cfg.py"
     cfg.write_text(f"{key} = {value!r}\n")
     spec = cfg if source == "file" else f"{key}={value}"
