@@ -106,6 +106,17 @@ def parse(p, ranges, constants, argv=None):
                         f"{getattr(args, k)!r}; resuming would mix two runs: drop that flag or start a new --out-dir")
     return args, ckpt, {k for k, v in vars(args).items() if v != defaults.get(k, v)}
 
+def idle(args, given, tools):
+    """A line for each of train.py's values that was set (`given`) but has no effect in this combination."""
+    return [f"note: {name} has no effect in this run ({why})" for names, why in [
+        ("kl_estimator ref_device ref_sync_every", args.beta == 0 and "--beta 0: no reference"),
+        ("cispo_cap", args.loss_type != "cispo" and "not --loss-type cispo"),
+        ("sapo_temperature_pos sapo_temperature_neg", args.loss_type != "sapo" and "not --loss-type sapo"),
+        ("is_cap", args.is_mode == "none" and "--is-mode none"), ("eval_every", args.eval_n == 0 and "--eval-n 0"),
+        ("max_resample", not args.dynamic_sampling and "no --dynamic-sampling"),
+        ("max_tool_calls", not tools and f"task {args.task} has no tools")] if why
+        for name in sorted(given.intersection(names.split()))]
+
 KINDS = {bool: (lambda v: isinstance(v, bool), "True or False"), int: (lambda v: type(v) is int, "an integer"),
          float: (lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number"),
          str: (lambda v: isinstance(v, str), "a string")}

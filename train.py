@@ -103,14 +103,7 @@ for bad, why in [  # one line each, before anything loads
         (args.log_to != "none" and not importlib.util.find_spec(args.log_to), f"log_to: pip install {args.log_to}")]:
     if bad:
         p.error(why)
-notes = [f"note: {name} has no effect in this run ({why})" for names, why in [
-    ("kl_estimator ref_device ref_sync_every", args.beta == 0 and "--beta 0: no reference"),
-    ("cispo_cap", args.loss_type != "cispo" and "not --loss-type cispo"),
-    ("sapo_temperature_pos sapo_temperature_neg", args.loss_type != "sapo" and "not --loss-type sapo"),
-    ("is_cap", args.is_mode == "none" and "--is-mode none"), ("eval_every", args.eval_n == 0 and "--eval-n 0"),
-    ("max_resample", not args.dynamic_sampling and "no --dynamic-sampling"),
-    ("max_tool_calls", not task.tools and f"task {args.task} has no tools")] if why
-    for name in sorted(given.intersection(names.split()))]
+notes = run.idle(args, given, task.tools is not None)  # what was set but changes nothing in this run
 reward_fns, weights = dict(task.reward_fns), dict(task.reward_weights)
 if args.overlong_buffer:  # DAPO eq. 13 beside the task's rewards (weight 1 unless --reward-weights says)
     reward_fns["overlong"], weights["overlong"] = overlong_reward(args.max_new_tokens, args.overlong_buffer), 1.0
@@ -130,8 +123,8 @@ except ValueError as e:  # ModelError, DataError: what was named cannot be used
 if len(train_set) < args.prompts_per_step:
     p.error(f"the train split has {len(train_set)} examples, fewer than --prompts-per-step {args.prompts_per_step}")
 args.dtype = str(dtype).removeprefix("torch.")  # run.json records what ran: a resume keeps it
-ref_dtype = dtype if ref_device == device or dtype == torch.float32 or native_bf16(ref_device) else torch.float32
-notes += [note, ref_dtype != dtype and f"note: the reference on {ref_device} computes in fp32 (no native {dtype})"]
+rdt = dtype if ref_device == device or dtype == torch.float32 or native_bf16(ref_device) else torch.float32  # ref's
+notes += [note, rdt != dtype and f"note: the reference on {ref_device} computes in fp32 (no native {dtype})"]
 if master and (problem := run.claim(args.out_dir, args.resume, args.overwrite)):  # else locked until the end
     p.error(problem)
 for line in filter(None, notes if master else []):
@@ -154,22 +147,20 @@ try:
         policy = scale.add_lora(policy, args.lora_rank, seed=args.seed)
     ref = None if args.beta == 0 else policy if args.lora_rank else load_model(  # matmul weights as autocast casts
         args.model, home if args.fsdp else ref_device, dtype if args.fsdp else torch.float32, trainable=False,
-        matmul_dtype=ref_dtype)
+        matmul_dtype=rdt)
     for m in [policy] + ([ref] if ref is not None else []) if args.fsdp else []:
         scale.shard(m, device, dtype)  # each decoder layer a unit, the root the rest (scale.py)
     if args.gradient_checkpointing:
         policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     policy.train(args.gradient_checkpointing)  # eval mode, so no dropout (as TRL), except for HF's checkpointing
     # the log-prob passes run each prompt once through the KV cache where a probe finds that exact (or refuse an edit)
-    why = rollout.sharing_problem(policy, dtype) or ref not in (None, policy) and rollout.sharing_problem(ref,
-                                                                                                      ref_dtype)
+    why = rollout.sharing_problem(policy, dtype) or ref not in (None, policy) and rollout.sharing_problem(ref, rdt)
 except ValueError as e:  # ModelError too
     p.error(str(e))
 ref_off = policy.disable_adapter if args.lora_rank else nullcontext  # runs the LoRA policy as the reference
-max_prompt = (getattr(policy.config, "max_position_embeddings", None) or 10**9) - args.max_new_tokens  # kept: the last
-if max_prompt < 1:
-    p.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's "
-            f"{max_prompt + args.max_new_tokens} tokens")
+context = getattr(policy.config, "max_position_embeddings", None) or 10**9  # a longer prompt keeps its last tokens
+if args.max_new_tokens >= context:
+    p.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's {context} tokens")
 stops = rollout.stop_token_ids(tokenizer, policy)
 full_kl = args.kl_estimator == "full" and ref is not None
 if full_kl and ref_device != device:  # the full KL's reference head runs where the policy's hidden states are
@@ -207,7 +198,7 @@ def collect(step):
             args.seed, step, attempt, i)) for i in slots]
         with gathered(policy):
             r = rollout.sample(policy, tokenizer, [task.prompt(e) for e in exs], G, args.max_new_tokens, stops,
-                               args.temperature, gens, dtype, max_prompt, env)
+                               args.temperature, gens, dtype, context - args.max_new_tokens, env)
         fields = {f: [e[f] for e in exs for _ in range(G)] for f in exs[0]}  # each example's fields, G times
         try:
             total, per_fn = combine_rewards(reward_fns, weights, r.completions, **fields,
@@ -281,7 +272,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     num_sequences = run.all_reduce(keep.sum().float())
     with ref_off():  # 3. the reference's log-probs (N, C) on its device (full KL: its hidden states, per micro-batch)
         ref_out = None if ref is None else rollout.batch_logprobs(ref, r, args.micro_batch, args.temperature, share,
-                                                                  ref_dtype, hidden=full_kl)
+                                                                  rdt, hidden=full_kl)
     old_logp = rollout.batch_logprobs(policy, r, args.micro_batch, args.temperature, share, dtype) if args.mu > 1 \
         else None  # the old policy's: the ratio's denominator when the batch is reused
     t2 = time.time()
