@@ -46,6 +46,9 @@ def tool_prompt(example):  # one worked call as earlier turns (HF's tool-call fo
             {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "69104"},
             {"role": "assistant", "content": "#### 69104"}, {"role": "user", "content": example["question"]}]
 
+def tool_reward(completions, tool_calls, tool_errors, **_):  # 1.0 where a tool call ran (an error's reply aside)
+    return [float(c > e) for c, e in zip(tool_calls, tool_errors)]
+
 def calculator(tokenizer, max_calls=4):  # a task's tools in their environment; imports tools.py only when run
     import tools
     return tools.ToolEnv([tools.calculator], tokenizer, max_calls)
@@ -216,8 +219,8 @@ TASKS = {  # each task its own dicts: editing one task's weights leaves the othe
     "arith": Task(load_arith, partial(chat_prompt, ARITH_SYSTEM_PROMPT), dict(REWARDS), dict(WEIGHTS), score),
     "arith_steps": Task(load_arith_steps, partial(chat_prompt, ARITH_STEPS_SYSTEM_PROMPT), dict(REWARDS), dict(WEIGHTS),
                         score, arith_step_rewards),
-    "arith_tool": Task(partial(load_arith, digits=3, ops="*"), tool_prompt, dict(REWARDS), dict(WEIGHTS), score,
-                       tools=calculator),
+    "arith_tool": Task(partial(load_arith, digits=3, ops="*"), tool_prompt, {**REWARDS, "tool": tool_reward},
+                       {**WEIGHTS, "tool": 0.2}, score, tools=calculator),  # a call that ran: worth a little
     "arith_mul": Task(partial(load_arith, digits=3, ops="*"), partial(chat_prompt, MUL_SYSTEM_PROMPT), dict(REWARDS),
                       dict(WEIGHTS), score),
 }

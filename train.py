@@ -201,8 +201,9 @@ def collect(step):
                                args.temperature, gens, dtype, context - args.max_new_tokens, env)
         fields = {f: [e[f] for e in exs for _ in range(G)] for f in exs[0]}  # each example's fields, G times
         try:
-            total, per_fn = combine_rewards(reward_fns, weights, r.completions, **fields,
-                                            num_tokens=(r.completion_mask + r.env_mask.long()).sum(1).tolist())
+            total, per_fn = combine_rewards(reward_fns, weights, r.completions, **fields,  # and per completion:
+                                            num_tokens=(r.completion_mask + r.env_mask.long()).sum(1).tolist(),
+                                            tool_calls=r.tool_calls.tolist(), tool_errors=r.tool_errors.tolist())
         except RewardError as e:
             sys.exit(f"error: step {step + 1}: {e}")
         parts.append((r, exs, torch.tensor(total), per_fn))
