@@ -24,6 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import run
+from plot import fresh
 from models import DTYPES, check_dtype, load_model, load_tokenizer, resolve_device, resolve_dtype
 from tasks import TASKS, evaluate, pass_at_k  # noqa: F401 (pass_at_k: eval.pass_at_k)
 
@@ -91,7 +92,7 @@ def main():
         examples = task.load(args.split, data_dir=args.data_dir)[:args.limit]  # what must exist, before any write
         beside = os.path.join(args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(args.ckpt),
                               f"predictions_{args.task}_{args.split}.jsonl") if args.ckpt else "predictions.jsonl"
-        out = args.out or run.fresh(beside)  # a default never replaces a file
+        out = args.out or fresh(beside)  # a default never replaces a file
         if os.path.isdir(out):
             raise ValueError(f"--out {out} is a directory; pass a file path such as "
                              f"{os.path.join(out, 'predictions.jsonl')}")

@@ -13,7 +13,12 @@ import argparse
 import os
 import sys
 
-from run import check, fresh, read_jsonl, user_path
+from run import check, read_jsonl, user_path
+
+def fresh(path):
+    """path, or where it exists path's stem with -1, -2, ...: what a tool writes by default replaces nothing."""
+    stem, ext = os.path.splitext(path)
+    return next(p for i in range(10**6) if not os.path.exists(p := f"{stem}-{i}{ext}" if i else path))
 
 def read_metrics(path):
     """A run dir or its metrics.jsonl -> its rows (dicts with a step), sorted by step; ValueError if none."""

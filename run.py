@@ -32,11 +32,6 @@ PATHS = ("config", "data_dir", "model", "out_dir", "resume")  # ~ and $VARS expa
 def user_path(path):
     return os.path.expandvars(os.path.expanduser(path)) if isinstance(path, str) else path
 
-def fresh(path):
-    """path, or where it exists path's stem with -1, -2, ...: what a tool writes by default replaces nothing."""
-    stem, ext = os.path.splitext(path)
-    return next(p for i in range(10**6) if not os.path.exists(p := f"{stem}-{i}{ext}" if i else path))
-
 # --- flags
 def _config(p, spec, keys):
     """A config file, or an inline `name=value` (a value that is no literal is a string) -> {name: value}; a
@@ -245,8 +240,7 @@ def save(state, path):
         os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, whole
         return None
     except BaseException as e:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        remove(tmp)
         if not isinstance(e, OSError):
             raise
         return (f"could not write {path} ({e.strerror or e}); make room in {os.path.dirname(os.path.abspath(path))}"
