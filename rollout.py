@@ -5,7 +5,7 @@ position_ids = cumsum(attention_mask) - 1; completion_mask runs up to AND includ
 position, never from pad_token_id (SmolLM2's pad is its EOS: the model would never learn to stop)."""
 
 import inspect
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 import torch
@@ -88,16 +88,14 @@ def _cache_kwarg(module, cache):  # transformers 5.24 renamed past_key_values (w
 def _autocast(model, dtype):
     """Autocast to `dtype` when it is lower than the weights' (fp32 master weights, bf16 compute)."""
     p = next(model.parameters())
-    on = dtype is not None and dtype != p.dtype and dtype != torch.float32
-    return torch.autocast(p.device.type, dtype=dtype) if on else nullcontext()
+    return torch.autocast(p.device.type, dtype=dtype, enabled=dtype not in (None, p.dtype, torch.float32))
 
 @torch.no_grad()
 def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature=1.0, generator=None,
            dtype=None, max_prompt_tokens=None, env=None):
-    """Sample `group_size` completions for each prompt (temperature 0: greedy) through `model(...)` and its KV
-    cache: each prompt is prefilled once and its cache repeated G times; all rows decode together until each has
-    a stop token or max_new_tokens is reached. generator: a torch.Generator, or one per prompt (its completions
-    then do not depend on its neighbours or the process). max_prompt_tokens: longer prompts keep their last ones.
+    """`group_size` completions per prompt (temperature 0: greedy) through `model(...)` and its KV cache: each prompt
+    prefilled once, its cache repeated G times; the rows decode together to a stop token or max_new_tokens. generator:
+    one, or one per prompt (its completions then depend on no neighbour). max_prompt_tokens: a prompt keeps its last.
     env (tools.ToolEnv): a row that calls a tool is fed the tool's reply, one token a step, and decodes on."""
     if group_size < 1 or max_new_tokens < 1 or not temperature >= 0:
         raise ValueError(f"need group_size, max_new_tokens >= 1, temperature >= 0; got {group_size}, {max_new_tokens}, "
@@ -195,10 +193,9 @@ def micro_batches(r, size):
 
 # --- teacher-forced log-probs
 def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False, ref=None):
-    """Log-prob of each target under the `lm_head` module: hidden (n, H), targets (n,) -> logp (n,), entropy (n,)
-    or None, kl (n,) or None. Each chunk's (chunk, V) logits are made, used, dropped and checkpointed under autograd
-    (backward reruns the head): no (n, V) fp32 tensor exists. ref = (ref_lm_head, ref_hidden (n, H)): the exact
-    KL(pi || pi_ref) over the vocabulary too (grpo.full_kl)."""
+    """Log-prob of each target under the `lm_head` module: hidden (n, H), targets (n,) -> logp, entropy or None, kl or
+    None (n,). A chunk's (chunk, V) logits are made, used and checkpointed (backward reruns the head): no (n, V) tensor.
+    ref = (ref_lm_head, ref_hidden (n, H)): the exact KL(pi || pi_ref) over the vocabulary too (grpo.full_kl)."""
     size = max(16, (64 << 20) // (4 * lm_head.weight.size(0)))  # a chunk's fp32 logits stay under 64 MiB
 
     def chunk(h, t, h_ref):
@@ -274,11 +271,9 @@ def completion_hidden(model, input_ids, attention_mask, num_completion, share=Tr
 
 def token_logprobs(model, input_ids, attention_mask, num_completion, temperature=1.0, with_entropy=False, ref=None,
                    share=True):
-    """Teacher-forced log-probs of the last C = num_completion tokens of each row: input_ids, attention_mask
-    (N, P+C) -> logp (N, C), entropy (N, C) or None, kl (N, C) or None; 0 where attention_mask is 0 (the head
-    skips padding). The decoder runs once (share: each distinct prompt once, see _hidden), the lm_head in chunks.
-    ref = (ref_lm_head, ref_hidden (N, C, H) from the reference's completion_hidden): the exact full-vocabulary KL
-    at each position too. Grad follows torch's mode."""
+    """Teacher-forced log-probs of each row's last C = num_completion tokens: input_ids, attention_mask (N, P+C) ->
+    logp, entropy or None, kl or None (N, C), 0 where the mask is 0 (the head skips it). The decoder runs once (share:
+    each distinct prompt once), the lm_head in chunks; ref = (ref_lm_head, ref_hidden (N, C, H)): the exact KL too."""
     _check_outer(model)
     device = next(model.parameters()).device
     ids, mask, C = input_ids.to(device), attention_mask.to(device), num_completion

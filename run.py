@@ -1,10 +1,7 @@
-"""
-What a run owns: its flags (defaults < config files < the command line, each value checked before anything
-loads), its directory (`run.json`, `metrics.jsonl`, `ckpt.pt`, `hf/`, locked while it runs; nothing else there
-is written or deleted), its checkpoints and its export, each written whole or not at all: a temp file renamed
-into place, so a kill leaves the last good one (and the temp file, which the next start removes). A checkpoint
-holds tensors, numbers, strings and plain containers only, and is read with torch.load(weights_only=True).
-"""
+"""What a run owns: its flags (defaults < config files < the command line, each checked before anything loads), its
+directory (`run.json`, `metrics.jsonl`, `ckpt.pt`, `hf/`; locked while it runs; nothing else there is touched), its
+checkpoints, written whole or not at all (a temp file renamed into place; the next start removes a kill's temp file),
+holding only tensors, numbers, strings and plain containers: read with torch.load(weights_only=True)."""
 
 import ast
 import fcntl
@@ -129,7 +126,8 @@ def check(p, args, ranges, constants=None, nullable=None):
     >= 0 unless `ranges` says otherwise."""
     items = [(a.dest, a.option_strings[-1], a.type if a.type in KINDS else bool if a.const in (True, False) else str,
               a.choices, ranges.get(a.dest, ">= 0"), a.default is None if nullable is None else a.dest in nullable)
-             for a in p._actions if a.option_strings and a.dest not in ("help", "config") and hasattr(args, a.dest)]
+             for a in p._actions if a.option_strings and a.nargs not in ("+", "*") and hasattr(args, a.dest)
+             and a.dest not in ("help", "config")]
     items += [(k, f"config key {k}", type(d), spec if isinstance(spec, tuple) else None,
                spec if isinstance(spec, str) else None, False) for k, (d, spec) in (constants or {}).items()]
     for dest, flag, kind, choices, spec, can_be_none in items:
@@ -204,7 +202,7 @@ def read_jsonl(path):
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:  # a blank or torn line
-                pass
+                continue
     return [r for r in rows if isinstance(r, dict)]
 
 def exit_on_interrupt(where):

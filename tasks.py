@@ -1,19 +1,17 @@
-"""Tasks: where examples come from, how they are put to the model, how answers are scored (`evaluate`: a model's
-accuracy on a task); `TASKS` maps a name to a `Task`. To add one: a `load`, a system prompt, reward fns, a `TASKS` line.
+"""Tasks: where examples come from, how they are put to the model, how answers are scored (`evaluate`); `TASKS` maps a
+name to a `Task`. To add one: a `load`, a system prompt, reward fns, a `TASKS` line.
 - gsm8k: grade-school math (Cobbe et al. 2021, github.com/openai/grade-school-math).
-- arith: generated "What is 7 + 5?": a 135M model knows sums but rarely writes `#### N`: it learns on a CPU in minutes.
-- arith_steps: generated "What is 3 + 4 * 2 - 5?", a reward per line for process supervision (DeepSeekMath §4.1.3).
-- arith_tool: generated "What is 482 * 937?", with a calculator tool (tools.py); arith_mul: the same without it."""
+- arith: generated "What is 7 + 5?": a 135M model knows sums, rarely writes `#### N`: it learns on a CPU in minutes.
+- arith_steps: "What is 3 + 4 * 2 - 5?", a reward per line (process supervision, steps.py); arith_tool: "What is 482 *
+  937?" with a calculator (tools.py); arith_mul: the same without it."""
 
 import hashlib
 import json
 import math
 import os
 import random
-import re
 import tempfile
 import urllib.request
-from bisect import bisect_left
 from functools import partial
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -32,8 +30,6 @@ SYSTEM_PROMPT = ("Solve the problem step by step. Then give the final answer on 
 # one worked example: a 135M model rarely writes the #### line from the instruction alone
 ARITH_SYSTEM_PROMPT = ("Answer the question. End with a final line: #### <number>\n"
                        "Example:\nWhat is 3 + 4?\n3 + 4 = 7\n#### 7")
-ARITH_STEPS_SYSTEM_PROMPT = ("Work it out one calculation a line, as: a op b = c. End with a final line: "
-                             "#### <number>\nExample:\nWhat is 2 + 3 * 4?\n3 * 4 = 12\n2 + 12 = 14\n#### 14")
 MUL_SYSTEM_PROMPT = "Answer the question. End with a final line: #### <number>\nExample:\nWhat is 12 * 34?\n#### 408"
 TOOL_SYSTEM_PROMPT = "Answer the question. Use the calculator for arithmetic. End with a final line: #### <number>"
 
@@ -45,6 +41,12 @@ def tool_prompt(example):  # one worked call as earlier turns (HF's tool-call fo
     return [{"role": "system", "content": TOOL_SYSTEM_PROMPT}, {"role": "user", "content": "What is 1234 * 56?"},
             {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "69104"},
             {"role": "assistant", "content": "#### 69104"}, {"role": "user", "content": example["question"]}]
+
+def _steps(name):  # process supervision's task lives in steps.py, imported when that task runs
+    def call(*args, **kwargs):
+        import steps
+        return getattr(steps, name)(*args, **kwargs)
+    return call
 
 def tool_reward(completions, tool_calls, tool_errors, **_):  # 1.0 where a tool call ran (an error's reply aside)
     return [float(c > e) for c, e in zip(tool_calls, tool_errors)]
@@ -65,7 +67,7 @@ class Task(NamedTuple):
     step_rewards: Callable | None = None  # (completion, example) -> [(char_end, reward), ...]: see step_positions
     tools: Callable | None = None  # (tokenizer, max_calls) -> a tools.ToolEnv of the task's tools, plain functions
 
-def _check(split, ops="+", n=None, data_dir=None):  # the generators' checks -> n, 200 test / 10,000 train by default
+def check_generated(split, ops="+", n=None, data_dir=None):  # a generator's checks -> n: 200 test / 10,000 train
     if data_dir:
         raise DataError(f"--data-dir {data_dir}: this task generates its problems and reads no data (gsm8k does)")
     if split not in ("train", "test"):
@@ -83,7 +85,7 @@ GSM8K_HINT = "pass --data-dir DIR or set GSM8K_DIR=DIR to a directory holding tr
 def load_gsm8k(split, data_dir=None):
     """GSM8K examples {"question", "answer" (gold number), "solution"} from data_dir, else $GSM8K_DIR (read as
     is: an edited copy works), else the cache (downloaded on first use, checked by sha256)."""
-    _check(split)
+    check_generated(split)
     data_dir = data_dir or os.environ.get("GSM8K_DIR")
     cache = Path(os.environ.get("GRPO_CACHE") or "~/.cache/grpo-mini").expanduser() / "gsm8k"
     path = (Path(data_dir).expanduser() if data_dir else cache) / f"{split}.jsonl"
@@ -121,7 +123,7 @@ def load_gsm8k(split, data_dir=None):
         raise DataError(f"no examples in {path}; {GSM8K_HINT}")
     return examples
 
-# arith and arith_steps: generated, split by a hash of the problem; arith_steps' reward per step (step_positions)
+# arith and its kin: generated, split by a hash of the problem
 ARITH_DIGITS, ARITH_OPS = 1, "+-*"  # default difficulty: within reach of a 135M model, whose gain is mostly format
 ARITH_TEST_PERCENT = 80  # test-only share: the default 255 problems hold >= 200 held-out, train ~51: must generalise
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -130,20 +132,20 @@ def _is_test(*problem):  # split by a hash of the problem, e.g. (7, "+", 5): wha
     h = hashlib.sha256("".join(map(str, problem)).encode()).digest()
     return int.from_bytes(h[:4], "little") % 100 < ARITH_TEST_PERCENT
 
-def _sample_split(space, split, n, rng):  # n distinct problems of `split` from an enumerated space, in rng's order
+def sample_split(space, split, n, rng):  # n distinct problems of `split` from an enumerated space, in rng's order
     pool = [p for p in space if _is_test(*p) == (split == "test")]
     return rng.sample(pool, min(n, len(pool)))
 
 def load_arith(split, data_dir=None, n=None, digits=ARITH_DIGITS, ops=ARITH_OPS, seed=0):
     """n distinct problems {"question": "What is 7 + 5?", "answer": "12"}: operands of up to `digits` digits, operators
     from `ops`, for "-" a >= b; n is capped at the split's size; `seed` picks the problems, never the split."""
-    n = _check(split, ops, n, data_dir)
+    n = check_generated(split, ops, n, data_dir)
     if digits < 1:
         raise ValueError(f"digits must be >= 1, got {digits}")
     rng, ops, hi = random.Random(seed), sorted(set(ops)), 10 ** digits - 1
     if len(ops) * (hi + 1) ** 2 <= 100_000:  # small space: enumerate it, so the cap is exact
         space = [(a, op, b) for op in ops for a in range(hi + 1) for b in range(hi + 1) if not (op == "-" and a < b)]
-        problems = _sample_split(space, split, n, rng)
+        problems = sample_split(space, split, n, rng)
     else:  # huge space: draw at random, 50 * n draws at most (n may be near the split's size)
         problems = {}  # a dict: repeats skipped, drawing order kept
         for _ in range(50 * n):
@@ -154,56 +156,6 @@ def load_arith(split, data_dir=None, n=None, digits=ARITH_DIGITS, ops=ARITH_OPS,
             if len(problems) == n:
                 break
     return [{"question": f"What is {a} {op} {b}?", "answer": str(OPS[op](a, b))} for a, op, b in problems]
-
-def _evaluate(a, op1, b, op2, c):  # a op1 b op2 c with the usual precedence: `*` first, then left to right
-    return OPS[op1](a, b * c) if op2 == "*" and op1 != "*" else OPS[op2](OPS[op1](a, b), c)
-
-def load_arith_steps(split, data_dir=None, n=None, ops=ARITH_OPS, seed=0):
-    """n distinct problems {"question": "What is 3 + 4 * 2 - 5?", "answer": "6"}: three one-digit operands, two
-    operators from `ops`, answers may be negative; 1,000 * len(ops)**2 problems split and n as in load_arith."""
-    n, ops = _check(split, ops, n, data_dir), sorted(set(ops))
-    space = [(a, o1, b, o2, c) for o1 in ops for o2 in ops for a in range(10) for b in range(10) for c in range(10)]
-    return [{"question": "What is {} {} {} {} {}?".format(*p), "answer": str(_evaluate(*p))}
-            for p in _sample_split(space, split, n, random.Random(seed))]
-
-NUM = r"\s*(-?\d+)\s*"
-STEP_RE = re.compile(rf"{NUM}([-+*x×]){NUM}={NUM}")  # a op b = c
-FINAL_RE = re.compile(r"\s*#### (-?\d+)")  # #### N, one space as strict-match reads it
-STEP_OPS = {**OPS, "x": OPS["*"], "×": OPS["*"]}
-
-def _line_reward(line, gold):  # one line's reward in arith_step_rewards
-    if step := STEP_RE.fullmatch(line):
-        a, op, b, c = step.groups()
-        return float(STEP_OPS[op](int(a), int(b)) == int(c))
-    final = FINAL_RE.fullmatch(line)
-    return float(final is not None and answers_match(final.group(1), gold))
-
-def arith_step_rewards(completion, example):
-    """(char_end, reward) per non-empty line, char_end the end of its text (trailing spaces, `\\r` left out):
-    `a op b = c` 1.0 if the arithmetic is right (on its own: the outcome reward ties steps to the question),
-    `#### N` 1.0 if N is the gold answer, any other line (`####N` too) 0.0. No such line: one step at the end.
-    >>> arith_step_rewards("4 * 2 = 8\\n3 + 8 = 12\\n#### 11", {"answer": "11"})  # 3 + 4 * 2
-    [(9, 1.0), (20, 0.0), (28, 1.0)]"""
-    lines = re.finditer(r"[^\n]*\S", completion)  # each line up to its last non-space character
-    return [(m.end(), _line_reward(m.group(), example["answer"])) for m in lines] or [(len(completion), 0.0)]
-
-def step_positions(step_rewards, tokenizer, completion_ids, lengths, completions, examples, group_size):
-    """Steps as tensors for grpo.process_advantages: row i's steps are step_rewards(completions[i], examples[i //
-    group_size]), each ending on the token that holds its last character among the lengths[i] tokens of completion_ids
-    (N, C) before the stop token -> ends (N, S) long, values (N, S), mask (N, S) bool (False: padding; S: the most steps
-    of a row). That token is the first whose decoded prefix holds the text up to char_end: exact whatever a tokenizer
-    does to bytes and spaces (a character split over byte tokens decodes as U+FFFD until its last byte)."""
-    steps = [step_rewards(text, examples[i // group_size]) for i, text in enumerate(completions)]
-    N, S = len(steps), max(len(s) for s in steps)
-    ends, values, mask = torch.zeros(N, S, dtype=torch.long), torch.zeros(N, S), torch.zeros(N, S, dtype=torch.bool)
-    decode = partial(tokenizer.decode, skip_special_tokens=True)
-    for i, row in enumerate(steps):
-        ids = completion_ids[i, :int(lengths[i])].tolist()
-        text = decode(ids)
-        for j, (end, value) in enumerate(row):  # the last token of the shortest prefix holding text[:end]
-            ends[i, j] = bisect_left(range(1, len(ids)), True, key=lambda k: decode(ids[:k])[:end] == text[:end])
-            values[i, j], mask[i, j] = value, True
-    return ends, values, mask
 
 def score(completion, example):  # shared by all tasks
     """strict: the final-answer line (`#### N` or `\\boxed{}`) is right; flexible: the last number is (lm-eval's)."""
@@ -217,8 +169,8 @@ REWARDS, WEIGHTS = {"correct": correctness_reward, "format": format_reward}, {"c
 TASKS = {  # each task its own dicts: editing one task's weights leaves the others
     "gsm8k": Task(load_gsm8k, partial(chat_prompt, SYSTEM_PROMPT), dict(REWARDS), dict(WEIGHTS), score),
     "arith": Task(load_arith, partial(chat_prompt, ARITH_SYSTEM_PROMPT), dict(REWARDS), dict(WEIGHTS), score),
-    "arith_steps": Task(load_arith_steps, partial(chat_prompt, ARITH_STEPS_SYSTEM_PROMPT), dict(REWARDS), dict(WEIGHTS),
-                        score, arith_step_rewards),
+    "arith_steps": Task(_steps("load_arith_steps"), _steps("prompt"), dict(REWARDS), dict(WEIGHTS), score,
+                        _steps("arith_step_rewards")),
     "arith_tool": Task(partial(load_arith, digits=3, ops="*"), tool_prompt, {**REWARDS, "tool": tool_reward},
                        {**WEIGHTS, "tool": 0.2}, score, tools=calculator),  # a call that ran: worth a little
     "arith_mul": Task(partial(load_arith, digits=3, ops="*"), partial(chat_prompt, MUL_SYSTEM_PROMPT), dict(REWARDS),

@@ -15,7 +15,7 @@ from tqdm import tqdm
 import grpo, rollout, run  # noqa: E401
 from models import DTYPES, check_dtype, load_model, load_tokenizer, native_bf16, resolve_device, resolve_dtype
 from rewards import RewardError, combine_rewards, overlong_reward, parse_weights
-from tasks import TASKS, evaluate, step_positions
+from tasks import TASKS, evaluate
 
 # --- flags: defaults here, then --config files, then the command line (run.parse checks every value)
 fmt = type("Help", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {})  # + defaults
@@ -264,10 +264,10 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     adv, frac_zero = grpo.group_advantages(all_rewards, G, args.scale_rewards)
     adv = adv[rank * N:(rank + 1) * N, None]  # (N, 1)
     if args.supervision == "process":  # per-token advantages (N, C) from the task's step rewards (§4.1.3)
-        ends, values, smask = step_positions(task.step_rewards, tokenizer, r.completion_ids,
-                                             lengths - (~r.truncated).long(), r.completions, examples, G)
-        adv, row["reward/step"] = grpo.process_advantages(values, ends, smask, G, C), values[smask].mean()
-        adv = adv.to(device)
+        import steps  # the steps' token positions: imported only when asked
+        ends, values, smask = steps.step_positions(task.step_rewards, tokenizer, r.completion_ids,
+                                                   lengths - (~r.truncated).long(), r.completions, examples, G)
+        adv, row["reward/step"] = grpo.process_advantages(values, ends, smask, G, C).to(device), values[smask].mean()
     loss_mask = r.completion_mask * keep[:, None] * (~r.truncated[:, None] if args.mask_truncated else 1)  # (N, C)
     num_tokens = run.all_reduce(loss_mask.sum().float()).clamp(min=1)  # per-rank shares of the batch's counts
     num_sequences = run.all_reduce(keep.sum().float())

@@ -1,4 +1,4 @@
-"""Every user-facing failure path of train.py, eval.py and plot.py, run through the real entry point.
+"""Every user-facing failure path of train.py and eval.py (its --plot too), run through the real entry point.
 
 A usage mistake ends in argparse's one-line `error:` and exit code 2, before the model loads where the
 mistake is in the flags alone; a run that fails on the way (a reward fn that raises, a full disk) ends
@@ -32,11 +32,11 @@ import models  # noqa: E402
 import rollout  # noqa: E402
 import tasks  # noqa: E402
 
-PLOT = os.path.join(REPO, "plot.py")
+PLOT = EVAL  # eval.py --plot draws the curves
 
 
 def script_error(path, argv, capsys):
-    """Run train.py / eval.py / plot.py expecting a user error or an interruption -> (exit code, last stderr line).
+    """Run train.py / eval.py expecting a user error or an interruption -> (exit code, last stderr line).
 
     p.error prints usage and `prog: error: ...` to stderr and exits 2; sys.exit("error: ...") hands Python
     the message, which it prints to stderr before exiting 1; Ctrl-C prints its line and exits 130."""
@@ -788,7 +788,7 @@ def test_eval_bad_checkpoint_is_one_line_and_leaves_nothing(tmp_path, capsys, wh
     assert list(files(tmp_path)) == (["ckpt.pt"] if what == "corrupt" else [])
 
 # -----------------------------------------------------------------------------
-# plot.py
+# eval.py --plot
 
 
 def write_run(path, rows, tail=""):
@@ -804,16 +804,16 @@ ROWS = [{"step": 0, "reward": 0.1, "kl": 0.0}, {"step": 1, "reward": 0.3, "kl": 
 @pytest.mark.parametrize("smooth", [0, -2])
 def test_plot_smooth_below_one(tmp_path, capsys, smooth):
     run = write_run(tmp_path / "a", ROWS)
-    code, line = script_error(PLOT, [run, "--smooth", smooth, "--out", tmp_path / "c.png"], capsys)
-    assert (code, line) == (2, f"plot.py: error: --smooth must be >= 1, got {smooth}")
+    code, line = script_error(PLOT, ["--plot", run, "--smooth", smooth, "--out", tmp_path / "c.png"], capsys)
+    assert (code, line) == (2, f"eval.py: error: --smooth must be >= 1, got {smooth}")
     assert not (tmp_path / "c.png").exists()
 
 
 def test_plot_out_with_a_format_matplotlib_cannot_write(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     run = write_run(tmp_path / "a", ROWS)
-    code, line = script_error(PLOT, [run, "--out", tmp_path / "c.xyz"], capsys)
-    assert code == 2 and line.startswith(f"plot.py: error: --out {tmp_path}/c.xyz: matplotlib writes only ")
+    code, line = script_error(PLOT, ["--plot", run, "--out", tmp_path / "c.xyz"], capsys)
+    assert code == 2 and line.startswith(f"eval.py: error: --out {tmp_path}/c.xyz: matplotlib writes only ")
     assert {".png", ".pdf", ".svg"} <= set(line.split("only ")[1].split())
     assert list(files(tmp_path)) == [os.path.join("a", "metrics.jsonl")]
 
@@ -821,7 +821,7 @@ def test_plot_out_with_a_format_matplotlib_cannot_write(tmp_path, capsys):
 def test_plot_out_into_a_missing_folder_creates_it(tmp_path):
     pytest.importorskip("matplotlib")
     out = tmp_path / "new" / "deeper" / "c.pdf"
-    run_script(PLOT, [write_run(tmp_path / "a", ROWS), "--out", out])
+    run_script(PLOT, ["--plot", write_run(tmp_path / "a", ROWS), "--out", out])
     assert out.read_bytes()[:5] == b"%PDF-"
 
 
@@ -829,7 +829,7 @@ def test_plot_out_into_a_missing_folder_creates_it(tmp_path):
 def test_plot_a_key_no_run_has_names_the_keys_they_have(tmp_path, capsys, flag):
     pytest.importorskip("matplotlib")
     a, b = write_run(tmp_path / "a", ROWS), write_run(tmp_path / "b", [{"step": 0, "reward/correct": 1.0}])
-    code, line = script_error(PLOT, [a, b, flag, "rewrd", "--out", tmp_path / "c.png"], capsys)
+    code, line = script_error(PLOT, ["--plot", a, b, flag, "rewrd", "--out", tmp_path / "c.png"], capsys)
     assert (code, line) == (1, f"error: {flag} rewrd: no run logged it; the runs have eval/strict_acc, kl, reward, "
                                "reward/correct")
     assert not (tmp_path / "c.png").exists()
@@ -839,7 +839,7 @@ def test_plot_a_key_no_run_has_names_the_keys_they_have(tmp_path, capsys, flag):
 def test_plot_a_run_without_rows(tmp_path, capsys, content):
     pytest.importorskip("matplotlib")
     a, b = write_run(tmp_path / "a", ROWS), write_run(tmp_path / "b", [], content)
-    code, line = script_error(PLOT, [a, b, "--out", tmp_path / "c.png"], capsys)
+    code, line = script_error(PLOT, ["--plot", a, b, "--out", tmp_path / "c.png"], capsys)
     assert (code, line) == (1, f"error: {b}/metrics.jsonl has no metrics rows (empty, or the run has not logged a "
                                "step); nothing plotted")
     assert not (tmp_path / "c.png").exists()
@@ -848,7 +848,7 @@ def test_plot_a_run_without_rows(tmp_path, capsys, content):
 def test_plot_rows_that_never_hold_the_key(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     run = write_run(tmp_path / "a", [{"step": 0, "reward": None}, {"step": 1, "kl": 0.5}])  # null: non-finite
-    code, line = script_error(PLOT, [run, "--out", tmp_path / "c.png"], capsys)
+    code, line = script_error(PLOT, ["--plot", run, "--out", tmp_path / "c.png"], capsys)
     assert (code, line) == (1, "error: --key reward: no run logged it; the runs have kl")
     assert not (tmp_path / "c.png").exists()
 
@@ -856,7 +856,7 @@ def test_plot_rows_that_never_hold_the_key(tmp_path, capsys):
 def test_plot_reads_a_torn_last_line_and_blank_lines(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     run = write_run(tmp_path / "a", ROWS[:1], "\n\n" + json.dumps(ROWS[1]) + "\n" + '{"step": 2, "reward": 0.')
-    run_script(PLOT, [run, "--out", tmp_path / "c.png"])
+    run_script(PLOT, ["--plot", run, "--out", tmp_path / "c.png"])
     assert capsys.readouterr().out.strip() == f"wrote {tmp_path / 'c.png'}"
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -864,7 +864,7 @@ def test_plot_reads_a_torn_last_line_and_blank_lines(tmp_path, capsys):
 def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     run = write_run(tmp_path / "a", ROWS)
-    code, line = script_error(PLOT, [run, "--out", tmp_path / "c.png"], capsys)
+    code, line = script_error(PLOT, ["--plot", run, "--out", tmp_path / "c.png"], capsys)
     assert (code, line) == (1, "error: plotting needs matplotlib: pip install matplotlib")
 
 # -----------------------------------------------------------------------------

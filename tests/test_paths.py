@@ -1,4 +1,4 @@
-"""Paths and outputs belong to the user, on every entry point (train.py, eval.py, plot.py):
+"""Paths and outputs belong to the user, on every entry point (train.py, eval.py and its --plot):
 a path is expanded (~, $VARS), in config files too; what a tool writes by default replaces nothing; a path that
 must exist is checked before anything is created; two inputs of one base name stay apart; integer flags are
 range-checked; a flag with no effect in the combination given is named or refused, in one line each."""
@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toy import EVAL, TRAIN, read_metrics, run_script, train_args  # noqa: E402
 
-PLOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "plot.py")
+PLOT = EVAL  # eval.py --plot draws the curves
 
 
 def error_of(path, argv, capsys):
@@ -69,7 +69,7 @@ def test_eval_and_plot_expand_user_paths(a_run, tmp_path, monkeypatch):
                       "--out", "~/preds/p.jsonl"])
     assert len(open(tmp_path / "preds" / "p.jsonl").readlines()) == 2
     pytest.importorskip("matplotlib", reason="pip install -r requirements-extra.txt")
-    run_script(PLOT, ["$RUN", "--out", "~/plots/c.png"])
+    run_script(PLOT, ["--plot", "$RUN", "--out", "~/plots/c.png"])
     assert os.path.getsize(tmp_path / "plots" / "c.png") > 0
 
 # -----------------------------------------------------------------------------
@@ -92,7 +92,7 @@ def test_plot_default_output_takes_a_fresh_name(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = write_metrics(str(tmp_path / "a"), [0.1, 0.2])
     (tmp_path / "curves.png").write_bytes(b"a picture the user keeps")
-    run_script(PLOT, [run])
+    run_script(PLOT, ["--plot", run])
     assert (tmp_path / "curves.png").read_bytes() == b"a picture the user keeps"
     assert (tmp_path / "curves-1.png").read_bytes().startswith(b"\x89PNG")
 
@@ -122,7 +122,7 @@ def test_a_missing_input_creates_nothing(model_dir, tmp_path, capsys):
     code, line = error_of(EVAL, ["--ckpt", str(tmp_path / "no_run"), "--task", "toy", "--out", str(new / "p.jsonl")],
                           capsys)
     assert code == 2 and "no checkpoint at" in line, line
-    code, line = error_of(PLOT, [str(tmp_path / "no_run"), "--out", str(new / "c.png")], capsys)
+    code, line = error_of(PLOT, ["--plot", str(tmp_path / "no_run"), "--out", str(new / "c.png")], capsys)
     assert code == 1 and "no metrics.jsonl" in line, line
     assert not new.exists()
 
@@ -141,9 +141,9 @@ def test_plot_keeps_runs_of_one_name_apart_and_refuses_one_run_twice(tmp_path, c
         labels.append(kw.get("label"))
         return real(self, *args, **kw)
     monkeypatch.setattr(Axes, "plot", plot)
-    run_script(PLOT, [a, b, "--out", str(tmp_path / "c.png")])
+    run_script(PLOT, ["--plot", a, b, "--out", str(tmp_path / "c.png")])
     assert labels == [a, b]  # both curves, each named by its whole path
-    code, line = error_of(PLOT, [a, a + "/", "--out", str(tmp_path / "d.png")], capsys)
+    code, line = error_of(PLOT, ["--plot", a, a + "/", "--out", str(tmp_path / "d.png")], capsys)
     assert code == 2 and "is given twice" in line and not (tmp_path / "d.png").exists(), line
 
 

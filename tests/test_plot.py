@@ -1,12 +1,12 @@
-"""plot.py: the data side against hand computations, and one plot drawn from two runs (matplotlib, Agg)."""
+"""eval.py --plot: the data side against hand computations, and one plot drawn from two runs (matplotlib, Agg)."""
 
 import json
 import sys
 
 import pytest
 
-import plot
-from plot import read_metrics, running_mean, series
+import eval as ev
+from eval import read_metrics, running_mean, series
 
 
 def write_run(path, rows, tail=""):
@@ -52,8 +52,8 @@ def test_plot_draws_the_running_mean_and_the_eval_points(tmp_path, monkeypatch, 
                   [{"step": 0, "eval/strict_acc": 0.25}, {"step": 4, "eval/strict_acc": 0.75}])
     b = write_run(tmp_path / "b", [{"step": s, "reward": r} for s, r in enumerate([1.0, 3.0])])
     out = tmp_path / "curves.png"
-    monkeypatch.setattr(sys, "argv", ["plot.py", a, b, "--smooth", "2", "--out", str(out)])
-    plot.main()
+    monkeypatch.setattr(sys, "argv", ["eval.py", "--plot", a, b, "--smooth", "2", "--out", str(out)])
+    ev.main()
     fig = plt.gcf()
     train_ax, eval_ax = fig.axes
     (la, lb), (ea,) = train_ax.get_lines(), eval_ax.get_lines()  # run b logged no evals: no points

@@ -9,16 +9,18 @@ import pytest
 import torch
 from conftest import VOCAB, make_tokenizer
 
+import steps
 import tasks
 from rewards import combine_rewards
-from tasks import (ARITH_STEPS_SYSTEM_PROMPT, ARITH_SYSTEM_PROMPT, SYSTEM_PROMPT, TASKS, DataError, Task,
-                   arith_step_rewards, load_arith, load_arith_steps, load_gsm8k, step_positions)
+from steps import PROMPT as ARITH_STEPS_SYSTEM_PROMPT
+from steps import arith_step_rewards, load_arith_steps, step_positions
+from tasks import ARITH_SYSTEM_PROMPT, SYSTEM_PROMPT, TASKS, DataError, Task, load_arith, load_gsm8k
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_docstring_examples():
-    result = doctest.testmod(tasks)
+    result = doctest.testmod(steps)
     assert result.attempted > 0 and result.failed == 0  # a module whose examples were all lost runs none
 
 
@@ -214,11 +216,11 @@ def parse(question):
 
 
 def test_arith_steps_precedence_by_hand():
-    assert tasks._evaluate(3, "+", 4, "*", 2) == 11  # 3 + 8, not 7 * 2
-    assert tasks._evaluate(1, "-", 2, "*", 3) == -5  # 1 - 6
-    assert tasks._evaluate(2, "*", 3, "-", 4) == 2
-    assert tasks._evaluate(9, "-", 2, "-", 3) == 4  # left to right, not 9 - (-1)
-    assert tasks._evaluate(9, "*", 9, "*", 9) == 729
+    assert steps._evaluate(3, "+", 4, "*", 2) == 11  # 3 + 8, not 7 * 2
+    assert steps._evaluate(1, "-", 2, "*", 3) == -5  # 1 - 6
+    assert steps._evaluate(2, "*", 3, "-", 4) == 2
+    assert steps._evaluate(9, "-", 2, "-", 3) == 4  # left to right, not 9 - (-1)
+    assert steps._evaluate(9, "*", 9, "*", 9) == 729
 
 
 def test_arith_steps_problems():
@@ -369,7 +371,8 @@ def test_tasks_table():
         assert set(task.reward_weights) == set(task.reward_fns)
     weights = [id(task.reward_weights) for task in TASKS.values()]
     assert len(set(weights)) == len(weights)  # editing one task's weights leaves the others
-    assert TASKS["arith_steps"].step_rewards is arith_step_rewards
+    text = "4 * 2 = 8\n#### 8"  # the task's step rewards are steps.py's, imported when the task runs
+    assert TASKS["arith_steps"].step_rewards(text, {"answer": "8"}) == arith_step_rewards(text, {"answer": "8"})
     assert TASKS["gsm8k"].step_rewards is None and TASKS["arith"].step_rewards is None
     assert [name for name, task in TASKS.items() if task.tools] == ["arith_tool"]
     assert Task(*range(5)).step_rewards is None  # five-field tasks still build
