@@ -1,6 +1,6 @@
 """
 What a run needs only when asked: LoRA adapters (peft, --lora-rank), gradient averaging over torchrun's
-processes, FSDP2 sharding with DCP checkpoints (--fsdp), and a tracker (--log-to). Nothing imports this file
+processes, FSDP2 sharding with DCP checkpoints (--fsdp), and a tracker (log_to). Nothing imports this file
 otherwise.
 
 Each rank owns whole groups of completions, so a step is the same computation on 1 or N processes, up to
@@ -210,7 +210,7 @@ def load_dcp(path, model, optimizer=None):
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 # -----------------------------------------------------------------------------
-# --log-to: the metrics also to TensorBoard or Weights & Biases (WANDB_MODE=offline keeps them on this machine)
+# log_to: the metrics also to TensorBoard or Weights & Biases (WANDB_MODE=offline keeps them on this machine)
 
 def tracker(name, out_dir, config, resume_step=0):
     """-> (log(scalars, step=), close())."""

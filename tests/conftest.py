@@ -65,7 +65,7 @@ def make_model(seed=0, dtype=torch.float32, init_std=0.3):
 
 
 def tiny(kind="llama", dtype=torch.float32, seed=0, **config):
-    """2-layer model of the kind lean.py knows, hidden 32, the vocabulary above: "llama" (tied head),
+    """2-layer model, hidden 32, the vocabulary above: "llama" (tied head),
     "qwen2" (q/k/v biases, untied head), "llama_bias" (attention and MLP biases, linear rope scaling).
     config: more config fields (a sliding window, ...). Eval mode."""
     torch.manual_seed(seed)
