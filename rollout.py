@@ -23,7 +23,7 @@ class Rollout:
     completion_mask: torch.Tensor  # (N, C) 1 on the model's own tokens, up to and including the first stop token
     truncated: torch.Tensor        # (N,) bool: ended without a stop token (max_new_tokens, or the tool call limit)
     completions: list              # N decoded strings, stop token excluded
-    sample_logp: torch.Tensor      # (N, C) log-probs at sampling time (temperature applied, before top-p)
+    sample_logp: torch.Tensor      # (N, C) log-probs at sampling time (temperature applied), 0 off completion_mask
     prompt_cut: torch.Tensor       # (N,) bool: the prompt was cut from the left to max_prompt_tokens
     env_mask: torch.Tensor         # (N, C) bool: a tool's reply, which the model reads but is not trained on
     tool_calls: torch.Tensor       # (N,) tool calls of each row
@@ -81,7 +81,6 @@ def sample_from_logits(logits, u):
     return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=cdf.size(-1) - 1).squeeze(1)
 
 def _cache_kwarg(module, cache):  # transformers 5.24 renamed past_key_values (which warns there) to cache
-
     names = inspect.signature(module.forward).parameters
     return {"cache" if "cache" in names else "past_key_values": cache}
 
