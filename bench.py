@@ -29,6 +29,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from run import check, user_path  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--model", default="smollm2-135m")
@@ -51,21 +53,26 @@ p.add_argument("--gradient-checkpointing", action="store_true", help="on both si
 p.add_argument("--kl-estimator", default="k3", help="ours; k3 is what TRL computes")
 p.add_argument("--grid", action="store_true", help="ours at G = 4, 8, 16 and 64, 128, 256 new tokens (and TRL at "
                "two of them with --vs-trl)")
-p.add_argument("--data-dir", default=None, help="GSM8K dir (else $GSM8K_DIR, else download)")
+p.add_argument("--data-dir", default=None, type=user_path, help="GSM8K dir (else $GSM8K_DIR, else download)")
 p.add_argument("--vs-trl", action="store_true", help="also run TRL's GRPOTrainer and print the ratios")
 p.add_argument("--rounds", type=int, default=1,
                help="with --vs-trl: run the two sides one after the other this many times and also print "
                     "the median ratios (a VM's speed can drift within minutes)")
 p.add_argument("--compile", action="store_true", help="time the training pass (arith-shaped micro-batch, "
                "share=True) eager vs the decoder torch.compile'd, interleaved; print the 80-step projection")
+p.add_argument("--ref-device", default=None, help="ours: the reference model's device (e.g. cpu: off the GPU; the "
+               "GPU's peak memory is printed where there is one)")
 p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
 p.add_argument("--out", default=None, help=argparse.SUPPRESS)
 args = p.parse_args()
+if not args.child:  # every number's range; a flag of another mode is no flag here
+    check(p, args, {"steps": ">= 2", "prompts_per_step": ">= 1", "group_size": ">= 2", "micro_batch": ">= 1",
+                    "max_new_tokens": ">= 1", "lr": "> 0", "rounds": ">= 1"})
+    if (args.rounds > 1 or args.trl_one_pass) and not args.vs_trl:
+        p.error("--rounds and --trl-one-pass compare against TRL: add --vs-trl or drop them")
 if args.dtype == "auto":  # resolved here, so that TRL's side runs in the same dtype as ours
     from models import resolve_device, resolve_dtype
     args.dtype = str(resolve_dtype("auto", resolve_device("auto"))[0]).removeprefix("torch.")
-if args.rounds < 1:
-    p.error("--rounds must be at least 1")
 if (args.prompts_per_step * args.group_size) % args.micro_batch:
     p.error(f"--micro-batch {args.micro_batch} must divide the {args.prompts_per_step * args.group_size} completions")
 
@@ -79,7 +86,8 @@ def ours_child(out):
                 "--config", "log_completions=0", "--config", "export=none", "--out-dir", out,
                 "--kl-estimator", args.kl_estimator, "--is-mode", "none"] + \
         (["--gradient-checkpointing"] if args.gradient_checkpointing else []) + \
-        (["--data-dir", args.data_dir] if args.data_dir else [])
+        (["--data-dir", args.data_dir] if args.data_dir else []) + \
+        (["--ref-device", args.ref_device] if args.ref_device else [])
     runpy.run_path(os.path.join(HERE, "train.py"), run_name="__main__")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     keys = ("t_step", "t_generate", "t_reference", "t_train", "completion_len", "prompt_len", "loss")
@@ -156,7 +164,7 @@ def compile_bench(rounds=6, widths=(16, 32, 48), steps=80):
         comp = torch.randint(100, V, (2 * G, width), generator=gen)  # (16, width) no special token (< 100)
         for i, n in enumerate(lens[:-1]):
             comp[i, n - 1] = stop[0]
-        cmask = rollout.completion_mask_from_stops(comp, stop)[0]
+        cmask = (torch.arange(width)[None] < torch.tensor(lens)[:, None]).long()  # (16, width) to the stop
         return torch.cat([ids.repeat_interleave(G, 0), comp.masked_fill(cmask == 0, stop[0])], 1), \
             torch.cat([mask.repeat_interleave(G, 0), cmask], 1)  # (16, P+width) each
 
@@ -208,12 +216,15 @@ if args.child:  # one side, in its own process, so its peak RSS is its own
     sys.path.insert(0, HERE)
     rows = (ours_child if args.child == "ours" else trl_child)(tempfile.mkdtemp())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB on Linux
-    json.dump({"rows": rows, "peak_rss_gib": peak}, open(args.out, "w"))
+    import torch
+    gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None  # the policy's device
+    json.dump({"rows": rows, "peak_rss_gib": peak, "gpu_peak_gib": gpu}, open(args.out, "w"))
     sys.exit(0)
 
 def run_side(name, **over):
     """One side in a fresh process -> (medians of the timed steps, peak RSS GiB, all rows)."""
-    out = tempfile.mktemp(suffix=".json")
+    fd, out = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in over.items()]
     cmd = [sys.executable, __file__, "--child", name, "--out", out] + \
         [a for a in sys.argv[1:] if a not in ("--vs-trl", "--grid")] + flags
@@ -221,6 +232,8 @@ def run_side(name, **over):
     res = json.load(open(out))
     timed = res["rows"][1:] or res["rows"]  # drop the warm-up step
     med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
+    if res.get("gpu_peak_gib") is not None:
+        print(f"{name}: the GPU's peak memory {res['gpu_peak_gib']:.2f} GiB (--ref-device {args.ref_device})")
     return med, res["peak_rss_gib"], res["rows"]
 
 def matmul_gflops(dtype, n=10):
@@ -240,7 +253,6 @@ def decode_vs_gemm(row_counts, n=15):
     matmuls alone: a (rows, in) activation by every nn.Linear weight (lm_head included), weights cast once to the
     same dtype. The two alternate, so the machine's drift hits both."""
     import torch.nn.functional as F
-    from transformers import DynamicCache
     import rollout
     from models import load_model, load_tokenizer, resolve_device
     from tasks import TASKS
@@ -254,16 +266,17 @@ def decode_vs_gemm(row_counts, n=15):
           "|---:|---:|---:|---:|")
     for rows in row_counts:
         r_ids, r_mask = (t.repeat_interleave(-(-rows // len(exs)), 0)[:rows] for t in (ids, mask))  # (rows, P)
-        pos, cache = (r_mask.cumsum(-1) - 1).clamp(min=0), DynamicCache(config=model.config)
+        pos, cache = (r_mask.cumsum(-1) - 1).clamp(min=0), rollout._Cache(config=model.config)  # sample()'s
         x = {w.size(1): torch.randn(rows, w.size(1), dtype=dtype) for w in weights}
         t_dec, t_mm, tok_ = [], [], torch.full((rows, 1), 100)
+        kw = rollout._cache_kwarg(model.get_decoder(), cache)  # past_key_values, or cache from transformers 5.24
         with torch.no_grad(), rollout._autocast(model, dtype):  # as sample(): one region, weights cast once
-            model(input_ids=r_ids, attention_mask=r_mask, position_ids=pos, past_key_values=cache, use_cache=True)
+            model(input_ids=r_ids, attention_mask=r_mask, position_ids=pos, **kw, use_cache=True)
             pos = pos[:, -1:]  # (rows, 1)
             for _ in range(n + 2):  # two warm-ups
                 r_mask, pos = F.pad(r_mask, (0, 1), value=1), pos + 1  # (rows, P+1...), (rows, 1)
                 t = time.perf_counter()
-                model(input_ids=tok_, attention_mask=r_mask, position_ids=pos, past_key_values=cache, use_cache=True)
+                model(input_ids=tok_, attention_mask=r_mask, position_ids=pos, **kw, use_cache=True)
                 t_dec.append(time.perf_counter() - t)
                 t = time.perf_counter()
                 for w in weights:

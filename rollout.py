@@ -84,6 +84,12 @@ def _cache_kwarg(module, cache):  # transformers 5.24 renamed past_key_values (w
     names = inspect.signature(module.forward).parameters
     return {"cache" if "cache" in names else "past_key_values": cache}
 
+class _Cache(DynamicCache):  # keys and values in autocast's dtype, which attention reads anyway: half the memory,
+    def update(self, key_states, value_states, *args, **kwargs):  # and no fp32 copy of the cache a step (BENCHMARKS)
+        on = torch.is_autocast_enabled(key_states.device.type)
+        dtype = torch.get_autocast_dtype(key_states.device.type) if on else key_states.dtype
+        return super().update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
+
 def _autocast(model, dtype):
     """Autocast to `dtype` when it is lower than the weights' (fp32 master weights, bf16 compute)."""
     p = next(model.parameters())
@@ -97,8 +103,7 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
     one, or one per prompt (its completions then depend on no neighbour). max_prompt_tokens: a prompt keeps its last.
     env (tools.ToolEnv): a row that calls a tool is fed the tool's reply, one token a step, and decodes on."""
     if group_size < 1 or max_new_tokens < 1 or not temperature >= 0:
-        raise ValueError(f"need group_size, max_new_tokens >= 1, temperature >= 0; got {group_size}, {max_new_tokens}, "
-                         f"{temperature}")
+        raise ValueError(f"need G, max_new_tokens >= 1, temperature >= 0: {group_size, max_new_tokens, temperature}")
     was_training, G = model.training, group_size
     model.eval()  # no dropout, and HF drops the KV cache in train mode under gradient checkpointing
     device, pad_id = next(model.parameters()).device, stop_ids[0]  # any pad id works: padding is masked everywhere
@@ -116,7 +121,7 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
     real, is_env = torch.zeros(2, N, max_new_tokens, dtype=torch.bool, device=device)  # a row's token; a reply's
     if env is not None:
         env.reset(N)
-    cache = DynamicCache(config=model.config)
+    cache = _Cache(config=model.config)
     cached = _cache_kwarg(model.get_decoder() if hasattr(model, "get_decoder") else model, cache)  # peft: **kwargs
     try:
         with _autocast(model, dtype):  # one context for the whole loop: autocast casts each weight once
@@ -212,8 +217,6 @@ def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False,
     for i in range(0, hidden.size(0), size):
         a = (hidden[i:i + size], targets[i:i + size], None if ref is None else ref[1][i:i + size])
         out.append(checkpoint(chunk, *a, use_reentrant=False) if grad else chunk(*a))
-    if not out:  # no position to score
-        return hidden.new_zeros(0, dtype=torch.float32), None, None
     return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*out))
 
 def _check_outer(model):

@@ -182,11 +182,9 @@ def _own(name, temp_only=False):
     return temp or not temp_only and (name in OWN or name.startswith("dcp-"))
 
 def remove(path):  # a file or a folder, if there is one
-    if not path:
-        return
-    if os.path.isdir(path):
+    if path and os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)
-    elif os.path.exists(path):
+    elif path and os.path.exists(path):
         os.remove(path)
 
 def write_json(path, obj):  # whole or not at all
