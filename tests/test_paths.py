@@ -10,20 +10,10 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from toy import EVAL, TRAIN, read_metrics, run_script, train_args  # noqa: E402
+from toy import EVAL, TRAIN, error_of, read_metrics, run_script, train_args  # noqa: E402
 
 PLOT = EVAL  # eval.py --plot draws the curves
 
-
-def error_of(path, argv, capsys):
-    """(exit code, last stderr line) of a script that must end in SystemExit; no traceback."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        run_script(path, argv)
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    code = e.value.code
-    return (1, code) if isinstance(code, str) else (code, err.strip().splitlines()[-1])
 
 
 def tree(root):

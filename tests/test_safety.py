@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import toy  # noqa: E402
-from toy import EVAL, TRAIN, read_metrics, run_script, train_args  # noqa: E402
+from toy import EVAL, TRAIN, error_of, read_metrics, run_script, train_args  # noqa: E402
 
 import models  # noqa: E402
 import rollout  # noqa: E402
@@ -33,16 +33,6 @@ class Payload:
     def __reduce__(self):
         return os.system, (f"touch {self.path}",)
 
-
-def error_of(path, argv, capsys):
-    """(exit code, last stderr line) of a script that must end in SystemExit."""
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as e:
-        run_script(path, argv)
-    err = capsys.readouterr().err
-    assert "Traceback" not in err, err
-    code = e.value.code
-    return (1, code) if isinstance(code, str) else (code, err.strip().splitlines()[-1])
 
 
 def plant(ckpt_path, marker, how):

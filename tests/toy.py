@@ -139,6 +139,18 @@ def run_script(path, argv):
     return g
 
 
+def error_of(path, argv, capsys):
+    """(exit code, last stderr line) of a script that must end in SystemExit; no traceback."""
+    import pytest
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_script(path, argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    code = e.value.code
+    return (1, code) if isinstance(code, str) else (code, err.strip().splitlines()[-1])
+
+
 def train_args(model_dir, out_dir, *extra, steps=2):
     """The tiny run: 2 prompts x G=4, micro-batch 4, 12 new tokens, fp32, no eval, the HF export at the end."""
     return ["--task", "toy", "--model", model_dir, "--out-dir", out_dir, "--steps", steps, "--group-size", 4,
