@@ -10,6 +10,7 @@ context, or a position off by one, moves log-probs by > 1e-2 here (init_std 0.3)
 are compared bit for bit: torch.where picks, it does not round."""
 
 import importlib.util
+import json
 import math
 import subprocess
 import sys
@@ -551,3 +552,25 @@ def test_evaluate_counts_tool_calls_per_example_and_in_the_summary():
     summary, records = evaluate(Forced(model, greedy), tok, toy.TASK, examples[:2], max_new_tokens=10, batch_size=2,
                                 progress=False)
     assert "tool_call_rate" not in summary and "tool_calls" not in records[0]
+
+
+def test_a_run_without_tools_imports_the_default_path_only(model_dir, tmp_path):
+    """`train.py` on a task without tools imports 6 modules of the repo and no other (not tools.py, steps.py,
+    scale.py, eval.py): with train.py the budget (<= 1,800 lines in <= 8 files, train.py <= 350, as `wc -l` counts)
+    holds for them."""
+    argv = [str(a) for a in train_args(model_dir, str(tmp_path), "--config", "export=none", steps=1)]
+    code = ("import json, os, runpy, sys\n"
+            f"sys.path[:0] = [{REPO!r}, os.path.join({REPO!r}, 'tests')]\n"
+            "import toy\nfrom tasks import TASKS\nTASKS['toy'] = toy.TASK\n"
+            f"sys.argv = ['train.py', *{argv!r}]\n"
+            f"runpy.run_path({TRAIN!r}, run_name='__main__')\n"
+            f"own = [m.__name__ for m in list(sys.modules.values()) if getattr(m, '__file__', None) "
+            f"and os.path.abspath(m.__file__) == os.path.join({REPO!r}, m.__name__ + '.py')]\n"
+            "print(json.dumps(sorted(own)))\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    own = json.loads(out.stdout.strip().splitlines()[-1])
+    assert own == ["grpo", "models", "rewards", "rollout", "run", "tasks"]  # and train.py, run as __main__
+    lines = {m: sum(1 for _ in open(f"{REPO}/{m}.py")) for m in [*own, "train"]}
+    assert sum(lines.values()) <= 1800 and lines["train"] <= 350, lines
