@@ -313,9 +313,9 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
                completion_len_max=lengths.max().float(), truncated=r.truncated.float().mean(), grad_norm=grad_norm,
                prompt_cut=r.prompt_cut.float().mean(), prompt_len=r.prompt_mask.sum(1).float().mean(),
                skipped=float(skip), gen_tok_s=lengths.sum().float() * world / (t1 - t0))
-    if env is not None:  # per row: tool calls, the ones that got an error, tokens of the tools' replies
+    if env is not None:  # per row: tool calls, the ones that got an error, tokens of the replies, the model's turns
         row.update(tool_calls=r.tool_calls.float().mean(), tool_errors=r.tool_errors.float().mean(),
-                   env_tokens=r.env_mask.sum(1).float().mean())
+                   env_tokens=r.env_mask.sum(1).float().mean(), turns=1 + r.tool_calls.float().mean())
     row = {k: run.all_reduce(torch.as_tensor(v, dtype=torch.float32, device=device).detach(), run.reduce_op(k)).item()
            for k, v in row.items()}
     row.update(step=step + 1, lr=lr, t_generate=t1 - t0, t_reference=t2 - t1, t_train=t3 - t2, t_step=t3 - t0)

@@ -438,6 +438,7 @@ def check_tool_run(out, g, losses, mu=1, max_calls=4):
     assert len(rows) == 2 and all(math.isfinite(v) for row in rows for v in row.values())
     for row in rows:
         assert 0 <= row["tool_errors"] <= row["tool_calls"] and row["env_tokens"] <= L * row["tool_calls"] + 1e-6
+        assert row["turns"] == pytest.approx(1 + row["tool_calls"], abs=1e-6)  # the model's turns: one per reply + 1
         # fp32, decode loop against the training pass: within 128 eps32 of |log p| <= ~20, 3e-4; a reply token in
         # the metric's mask would show its whole log-prob there (sample_logp 0 against ~log(1/48) = -3.9)
         assert row["dlogp_max"] < 1e-3 and row["is_capped"] == 0
