@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, set_element  # set_element: its own
 
 # -----------------------------------------------------------------------------
 # LoRA through peft: the adapters train, the base is frozen; the base with its adapters off is the reference
@@ -182,10 +182,12 @@ class _Metadata(pickle.Unpickler):
         raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
 
 class _Planner(DefaultLoadPlanner):
-    def load_bytes(self, read_item, value):  # DCP's own reads these with weights_only=False: check them first
-        torch.load(value, weights_only=True)
-        value.seek(0)
-        super().load_bytes(read_item, value)
+    def load_bytes(self, read_item, value):  # DefaultLoadPlanner's own, with torch.load's weights-only unpickler
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 def load_dcp(path, model, optimizer=None):
     """Model (and optimizer) state from a DCP directory: a sharded model reads its shards; without a process
