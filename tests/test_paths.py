@@ -15,7 +15,6 @@ from toy import EVAL, TRAIN, error_of, read_metrics, run_script, train_args  # n
 PLOT = EVAL  # eval.py --plot draws the curves
 
 
-
 def tree(root):
     return sorted(os.path.relpath(os.path.join(d, n), root) for d, dirs, names in os.walk(root) for n in dirs + names)
 

@@ -34,7 +34,6 @@ class Payload:
         return os.system, (f"touch {self.path}",)
 
 
-
 def plant(ckpt_path, marker, how):
     os.makedirs(os.path.dirname(ckpt_path), exist_ok=True)
     state = {"config": {"model": "x", "task": "toy"}, "step": 1, "model": Payload(marker)}
