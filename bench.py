@@ -37,13 +37,26 @@ p.add_argument("--model", default="smollm2-135m")
 p.add_argument("--steps", type=int, default=4, help="steps per side; the first is a warm-up")
 p.add_argument("--prompts-per-step", type=int, default=2)
 p.add_argument("--group-size", type=int, default=8)
-p.add_argument("--micro-batch", type=int, default=4, help="both sides (TRL: per_device_train_batch_size, with "
-               "gradient_accumulation_steps = completions / this): a micro-batch's activations are a step's peak "
-               "memory; 4 rows run their prompt once, a group twice")
-p.add_argument("--trl-one-pass", action="store_true", help="with --vs-trl: also TRL with all completions in one "
-               "pass (per_device_train_batch_size = completions), a labelled row beside, not in the ratios")
-p.add_argument("--decode", action="store_true", help="only time one decode step of the model beside the same "
-               "matmuls alone (16 rows and the step's rows), interleaved")
+p.add_argument(
+    "--micro-batch",
+    type=int,
+    default=4,
+    help="both sides (TRL: per_device_train_batch_size, with "
+    "gradient_accumulation_steps = completions / this): a micro-batch's activations are a step's peak "
+    "memory; 4 rows run their prompt once, a group twice",
+)
+p.add_argument(
+    "--trl-one-pass",
+    action="store_true",
+    help="with --vs-trl: also TRL with all completions in one "
+    "pass (per_device_train_batch_size = completions), a labelled row beside, not in the ratios",
+)
+p.add_argument(
+    "--decode",
+    action="store_true",
+    help="only time one decode step of the model beside the same "
+    "matmuls alone (16 rows and the step's rows), interleaved",
+)
 p.add_argument("--max-new-tokens", type=int, default=128)
 p.add_argument("--beta", type=float, default=0.04)
 p.add_argument("--lr", type=float, default=1e-6)
@@ -51,47 +64,114 @@ p.add_argument("--loss-type", default="grpo")
 p.add_argument("--dtype", default="auto", help="both sides; auto: bfloat16 where its matmuls are native, else float32")
 p.add_argument("--gradient-checkpointing", action="store_true", help="on both sides (TRL's own default is on)")
 p.add_argument("--kl-estimator", default="k3", help="ours; k3 is what TRL computes")
-p.add_argument("--grid", action="store_true", help="ours at G = 4, 8, 16 and 64, 128, 256 new tokens (and TRL at "
-               "two of them with --vs-trl)")
+p.add_argument(
+    "--grid",
+    action="store_true",
+    help="ours at G = 4, 8, 16 and 64, 128, 256 new tokens (and TRL at two of them with --vs-trl)",
+)
 p.add_argument("--data-dir", default=None, type=user_path, help="GSM8K dir (else $GSM8K_DIR, else download)")
 p.add_argument("--vs-trl", action="store_true", help="also run TRL's GRPOTrainer and print the ratios")
-p.add_argument("--rounds", type=int, default=1,
-               help="with --vs-trl: run the two sides one after the other this many times and also print "
-                    "the median ratios (a VM's speed can drift within minutes)")
-p.add_argument("--compile", action="store_true", help="time the training pass (arith-shaped micro-batch, "
-               "share=True) eager vs the decoder torch.compile'd, interleaved; print the 80-step projection")
-p.add_argument("--ref-device", default=None, help="ours: the reference model's device (e.g. cpu: off the GPU; the "
-               "GPU's peak memory is printed where there is one)")
+p.add_argument(
+    "--rounds",
+    type=int,
+    default=1,
+    help="with --vs-trl: run the two sides one after the other this many times and also print "
+    "the median ratios (a VM's speed can drift within minutes)",
+)
+p.add_argument(
+    "--compile",
+    action="store_true",
+    help="time the training pass (arith-shaped micro-batch, "
+    "share=True) eager vs the decoder torch.compile'd, interleaved; print the 80-step projection",
+)
+p.add_argument(
+    "--ref-device",
+    default=None,
+    help="ours: the reference model's device (e.g. cpu: off the GPU; the "
+    "GPU's peak memory is printed where there is one)",
+)
 p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
 p.add_argument("--out", default=None, help=argparse.SUPPRESS)
 args = p.parse_args()
 if not args.child:  # every number's range; a flag of another mode is no flag here
-    check(p, args, {"steps": ">= 2", "prompts_per_step": ">= 1", "group_size": ">= 2", "micro_batch": ">= 1",
-                    "max_new_tokens": ">= 1", "lr": "> 0", "rounds": ">= 1"})
+    check(
+        p,
+        args,
+        {
+            "steps": ">= 2",
+            "prompts_per_step": ">= 1",
+            "group_size": ">= 2",
+            "micro_batch": ">= 1",
+            "max_new_tokens": ">= 1",
+            "lr": "> 0",
+            "rounds": ">= 1",
+        },
+    )
     if (args.rounds > 1 or args.trl_one_pass) and not args.vs_trl:
         p.error("--rounds and --trl-one-pass compare against TRL: add --vs-trl or drop them")
 if args.dtype == "auto":  # resolved here, so that TRL's side runs in the same dtype as ours
     from models import resolve_device, resolve_dtype
+
     args.dtype = str(resolve_dtype("auto", resolve_device("auto"))[0]).removeprefix("torch.")
 if (args.prompts_per_step * args.group_size) % args.micro_batch:
     p.error(f"--micro-batch {args.micro_batch} must divide the {args.prompts_per_step * args.group_size} completions")
 
+
 def ours_child(out):
     """Run train.py in this process; its metrics.jsonl gives the per-phase times."""
-    sys.argv = ["train.py", "--task", "gsm8k", "--model", args.model, "--steps", str(args.steps),
-                "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
-                "--micro-batch", str(args.micro_batch), "--max-new-tokens", str(args.max_new_tokens),
-                "--temperature", "1.0", "--beta", str(args.beta), "--lr", str(args.lr), "--mu", "1",
-                "--loss-type", args.loss_type, "--dtype", args.dtype, "--eval-n", "0", "--config", "save_every=0",
-                "--config", "log_completions=0", "--config", "export=none", "--out-dir", out,
-                "--kl-estimator", args.kl_estimator, "--is-mode", "none"] + \
-        (["--gradient-checkpointing"] if args.gradient_checkpointing else []) + \
-        (["--data-dir", args.data_dir] if args.data_dir else []) + \
-        (["--ref-device", args.ref_device] if args.ref_device else [])
+    sys.argv = (
+        [
+            "train.py",
+            "--task",
+            "gsm8k",
+            "--model",
+            args.model,
+            "--steps",
+            str(args.steps),
+            "--prompts-per-step",
+            str(args.prompts_per_step),
+            "--group-size",
+            str(args.group_size),
+            "--micro-batch",
+            str(args.micro_batch),
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--temperature",
+            "1.0",
+            "--beta",
+            str(args.beta),
+            "--lr",
+            str(args.lr),
+            "--mu",
+            "1",
+            "--loss-type",
+            args.loss_type,
+            "--dtype",
+            args.dtype,
+            "--eval-n",
+            "0",
+            "--config",
+            "save_every=0",
+            "--config",
+            "log_completions=0",
+            "--config",
+            "export=none",
+            "--out-dir",
+            out,
+            "--kl-estimator",
+            args.kl_estimator,
+            "--is-mode",
+            "none",
+        ]
+        + (["--gradient-checkpointing"] if args.gradient_checkpointing else [])
+        + (["--data-dir", args.data_dir] if args.data_dir else [])
+        + (["--ref-device", args.ref_device] if args.ref_device else [])
+    )
     runpy.run_path(os.path.join(HERE, "train.py"), run_name="__main__")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     keys = ("t_step", "t_generate", "t_reference", "t_train", "completion_len", "prompt_len", "loss")
     return [{k: r[k] for k in keys} for r in rows]
+
 
 def trl_child(out):
     """TRL's GRPOTrainer at the same settings; a callback times each optimizer step."""
@@ -103,8 +183,9 @@ def trl_child(out):
     from models import load_tokenizer, resolve_model
     from rewards import combine_rewards
     from tasks import TASKS
+
     task = TASKS["gsm8k"]
-    examples = task.load("train", data_dir=args.data_dir)[:args.steps * args.prompts_per_step]
+    examples = task.load("train", data_dir=args.data_dir)[: args.steps * args.prompts_per_step]
     data = Dataset.from_list([{"prompt": task.prompt(ex), "answer": ex["answer"]} for ex in examples])
 
     def reward(completions, answer, **_):  # TRL passes chat completions as message lists
@@ -121,24 +202,47 @@ def trl_child(out):
             self.rows.append({"t_step": time.time() - self.t0})
 
     N = args.prompts_per_step * args.group_size  # one generation of N per optimizer step, trained in micro-batches
-    cfg = GRPOConfig(output_dir=out, per_device_train_batch_size=args.micro_batch,
-                     gradient_accumulation_steps=N // args.micro_batch, num_generations=args.group_size,
-                     max_completion_length=args.max_new_tokens, temperature=1.0, beta=args.beta,
-                     learning_rate=args.lr, num_iterations=1, loss_type=args.loss_type,
-                     bf16=args.dtype == "bfloat16", use_cpu=not torch.cuda.is_available(), max_steps=args.steps,
-                     logging_steps=1, report_to=[], save_strategy="no", seed=0, lr_scheduler_type="constant",
-                     gradient_checkpointing=args.gradient_checkpointing, use_bias_correction_kl=False,
-                     shuffle_dataset=False)
+    cfg = GRPOConfig(
+        output_dir=out,
+        per_device_train_batch_size=args.micro_batch,
+        gradient_accumulation_steps=N // args.micro_batch,
+        num_generations=args.group_size,
+        max_completion_length=args.max_new_tokens,
+        temperature=1.0,
+        beta=args.beta,
+        learning_rate=args.lr,
+        num_iterations=1,
+        loss_type=args.loss_type,
+        bf16=args.dtype == "bfloat16",
+        use_cpu=not torch.cuda.is_available(),
+        max_steps=args.steps,
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        seed=0,
+        lr_scheduler_type="constant",
+        gradient_checkpointing=args.gradient_checkpointing,
+        use_bias_correction_kl=False,
+        shuffle_dataset=False,
+    )
     # steps_per_generation defaults to gradient_accumulation_steps: the first micro-step of each optimizer step
     # generates all N, the Timer's step_begin..step_end spans that generation and the N/micro_batch micro-steps
-    assert cfg.generation_batch_size == N and cfg.steps_per_generation == cfg.gradient_accumulation_steps, \
+    assert cfg.generation_batch_size == N and cfg.steps_per_generation == cfg.gradient_accumulation_steps, (
         f"TRL: {cfg.generation_batch_size} completions every {cfg.steps_per_generation} micro-steps, not {N} a step"
+    )
     timer = Timer()
-    trainer = GRPOTrainer(model=resolve_model(args.model), reward_funcs=reward, args=cfg, train_dataset=data,
-                          processing_class=load_tokenizer(args.model), callbacks=[timer])
+    trainer = GRPOTrainer(
+        model=resolve_model(args.model),
+        reward_funcs=reward,
+        args=cfg,
+        train_dataset=data,
+        processing_class=load_tokenizer(args.model),
+        callbacks=[timer],
+    )
     trainer.train()
     lens = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     return [dict(r, completion_len=n) for r, n in zip(timer.rows, lens)]
+
 
 def compile_bench(rounds=6, widths=(16, 32, 48), steps=80):
     """Forward+backward of token_logprobs (share=True, as train.py) on 2 arith prompts x G=8, completion widths
@@ -150,6 +254,7 @@ def compile_bench(rounds=6, widths=(16, 32, 48), steps=80):
     from models import load_model, load_tokenizer, resolve_device
     from rollout import stop_token_ids
     from tasks import TASKS
+
     dev, dtype, G, rng = resolve_device("auto"), getattr(torch, args.dtype), 8, random.Random(0)
     gen = torch.Generator().manual_seed(0)
     tok, model = load_tokenizer(args.model), load_model(args.model, resolve_device("auto"))  # fp32 master weights
@@ -158,15 +263,17 @@ def compile_bench(rounds=6, widths=(16, 32, 48), steps=80):
     compiled = torch.compile(decoder.forward, dynamic=True)
 
     def batch(width):  # lengths 8..width (one row at width), random ids, a stop token ends each row that fits
-        ids, mask = rollout.left_pad(rollout.encode_prompts(tok, [task.prompt(e) for e in rng.sample(examples, 2)]),
-                                     stop[0])  # (2, P)
+        ids, mask = rollout.left_pad(
+            rollout.encode_prompts(tok, [task.prompt(e) for e in rng.sample(examples, 2)]), stop[0]
+        )  # (2, P)
         lens = [rng.randint(8, width) for _ in range(2 * G - 1)] + [width]
         comp = torch.randint(100, V, (2 * G, width), generator=gen)  # (16, width) no special token (< 100)
         for i, n in enumerate(lens[:-1]):
             comp[i, n - 1] = stop[0]
         cmask = (torch.arange(width)[None] < torch.tensor(lens)[:, None]).long()  # (16, width) to the stop
-        return torch.cat([ids.repeat_interleave(G, 0), comp.masked_fill(cmask == 0, stop[0])], 1), \
-            torch.cat([mask.repeat_interleave(G, 0), cmask], 1)  # (16, P+width) each
+        return torch.cat([ids.repeat_interleave(G, 0), comp.masked_fill(cmask == 0, stop[0])], 1), torch.cat(
+            [mask.repeat_interleave(G, 0), cmask], 1
+        )  # (16, P+width) each
 
     def step(fwd, ids, mask, width):  # -> (seconds, new graphs, logp)
         decoder.forward, g0, t = fwd, counters["stats"]["unique_graphs"], time.perf_counter()
@@ -196,16 +303,20 @@ def compile_bench(rounds=6, widths=(16, 32, 48), steps=80):
 
     te, tc = med([x[3] for x in rows]), med([x[4] for x in rows if not x[5]])  # compiled: steps that did not compile
     comp_s = sum(x[4] - med([y[4] for y in rows if y[1] == x[1] and not y[5]]) for x in rows if x[5])
-    print(f"\ngraph breaks {sum(counters['graph_break'].values())} | recompiles (steps with new graphs) "
-          f"{sum(1 for x in rows if x[5])} | unique graphs {counters['stats']['unique_graphs']}\n")
+    print(
+        f"\ngraph breaks {sum(counters['graph_break'].values())} | recompiles (steps with new graphs) "
+        f"{sum(1 for x in rows if x[5])} | unique graphs {counters['stats']['unique_graphs']}\n"
+    )
     print("| width | eager s (median) | compiled s (median, no compile) | compile s (first steps - median) |")
     print("|---|---:|---:|---:|")
     for w in widths:
         e, c = med([x[3] for x in rows if x[1] == w]), med([x[4] for x in rows if x[1] == w and not x[5]])
         print(f"| {w} | {e:.2f} | {c:.2f} | {sum(x[4] - c for x in rows if x[1] == w and x[5]):.1f} |")
-    print(f"\n{steps} steps, training pass: eager {steps} x {te:.2f} = {steps * te:.0f} s; compiled "
-          f"{comp_s:.0f} + {steps} x {tc:.2f} = {comp_s + steps * tc:.0f} s ({te / tc:.2f}x per step). The reference "
-          "pass (no grad) gains at most proportionally, and pays its own compile.")
+    print(
+        f"\n{steps} steps, training pass: eager {steps} x {te:.2f} = {steps * te:.0f} s; compiled "
+        f"{comp_s:.0f} + {steps} x {tc:.2f} = {comp_s + steps * tc:.0f} s ({te / tc:.2f}x per step). The reference "
+        "pass (no grad) gains at most proportionally, and pays its own compile."
+    )
 
 
 if args.compile:
@@ -217,17 +328,22 @@ if args.child:  # one side, in its own process, so its peak RSS is its own
     rows = (ours_child if args.child == "ours" else trl_child)(tempfile.mkdtemp())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB on Linux
     import torch
+
     gpu = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None  # the policy's device
     json.dump({"rows": rows, "peak_rss_gib": peak, "gpu_peak_gib": gpu}, open(args.out, "w"))
     sys.exit(0)
+
 
 def run_side(name, **over):
     """One side in a fresh process -> (medians of the timed steps, peak RSS GiB, all rows)."""
     fd, out = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in over.items()]
-    cmd = [sys.executable, __file__, "--child", name, "--out", out] + \
-        [a for a in sys.argv[1:] if a not in ("--vs-trl", "--grid")] + flags
+    cmd = (
+        [sys.executable, __file__, "--child", name, "--out", out]
+        + [a for a in sys.argv[1:] if a not in ("--vs-trl", "--grid")]
+        + flags
+    )
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if name == "trl" else None)
     res = json.load(open(out))
     timed = res["rows"][1:] or res["rows"]  # drop the warm-up step
@@ -236,9 +352,11 @@ def run_side(name, **over):
         print(f"{name}: the GPU's peak memory {res['gpu_peak_gib']:.2f} GiB (--ref-device {args.ref_device})")
     return med, res["peak_rss_gib"], res["rows"]
 
+
 def matmul_gflops(dtype, n=10):
     """The machine's matmul speed in `dtype` (GFLOP/s): SmolLM2's MLP shape, 2048 x 576 by 576 x 1536, median of n."""
     import torch
+
     a, b = torch.randn(2048, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
     times = []
     for _ in range(n + 2):
@@ -246,6 +364,7 @@ def matmul_gflops(dtype, n=10):
         a @ b
         times.append(time.perf_counter() - t)
     return 2 * 2048 * 576 * 1536 / statistics.median(times[2:]) / 1e9
+
 
 def decode_vs_gemm(row_counts, n=15):
     """Print the median ms of one decode step (rollout.sample's call: the model on its KV cache of the bench's
@@ -256,14 +375,17 @@ def decode_vs_gemm(row_counts, n=15):
     import rollout
     from models import load_model, load_tokenizer, resolve_device
     from tasks import TASKS
+
     dtype, task = getattr(torch, args.dtype), TASKS["gsm8k"]
     model, tok = load_model(args.model, resolve_device("auto")).eval(), load_tokenizer(args.model)
-    exs = task.load("train", data_dir=args.data_dir)[:args.prompts_per_step]
+    exs = task.load("train", data_dir=args.data_dir)[: args.prompts_per_step]
     ids, mask = rollout.left_pad(rollout.encode_prompts(tok, [task.prompt(e) for e in exs]), 0)  # (B, P)
     weights = [m.weight.detach().to(dtype) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    print(f"\none decode step against its matmuls alone ({len(weights)} weights, {args.dtype}, prompts of "
-          f"{ids.size(1)} columns, median of {n})\n\n| rows | decode step ms | GEMM-only ms | ratio |\n"
-          "|---:|---:|---:|---:|")
+    print(
+        f"\none decode step against its matmuls alone ({len(weights)} weights, {args.dtype}, prompts of "
+        f"{ids.size(1)} columns, median of {n})\n\n| rows | decode step ms | GEMM-only ms | ratio |\n"
+        "|---:|---:|---:|---:|"
+    )
     for rows in row_counts:
         r_ids, r_mask = (t.repeat_interleave(-(-rows // len(exs)), 0)[:rows] for t in (ids, mask))  # (rows, P)
         pos, cache = (r_mask.cumsum(-1) - 1).clamp(min=0), rollout._Cache(config=model.config)  # sample()'s
@@ -285,6 +407,7 @@ def decode_vs_gemm(row_counts, n=15):
         d, m = (statistics.median(v[2:]) * 1e3 for v in (t_dec, t_mm))
         print(f"| {rows} | {d:.1f} | {m:.1f} | {d / m:.2f}x |", flush=True)
 
+
 def step_flops(cfg, prompts, G, p, c, micro_batch=None):
     """Matmul FLOPs of one step by phase, from the model's shapes: B prompts of p tokens, G completions of c
     tokens each. Forward: 2 * (layer weights + head) per token + attention 4 * L * H * context; the prompt runs
@@ -298,16 +421,23 @@ def step_flops(cfg, prompts, G, p, c, micro_batch=None):
     runs = max(1, G // (micro_batch or G))  # log-prob passes: once per micro-batch holding the prompt
     completion = prompts * G * c * (layers + attn(p + c / 2))
     fwd = prompt * runs + completion + prompts * G * c * head
-    return {"t_generate": prompt + completion + prompts * (1 + G * c) * head, "t_reference": fwd,
-            "t_train": 3 * fwd + prompts * G * c * head}
+    return {
+        "t_generate": prompt + completion + prompts * (1 + G * c) * head,
+        "t_reference": fwd,
+        "t_train": 3 * fwd + prompts * G * c * head,
+    }
 
 
 cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
 import torch  # noqa: E402 (only for the machine line)
-print(f"# {time.strftime('%Y-%m-%d')} | {cpu} | {os.cpu_count()} cores, torch {torch.__version__}, "
-      f"{torch.get_num_threads()} threads | {args.model}, {args.prompts_per_step}x{args.group_size} completions, "
-      f"{args.max_new_tokens} new tokens, beta {args.beta}, {args.dtype} autocast, "
-      f"{args.steps - 1} timed steps")
+
+print(
+    f"# {time.strftime('%Y-%m-%d')} | {cpu} | {os.cpu_count()} cores, torch {torch.__version__}, "
+    f"{torch.get_num_threads()} threads | {args.model}, {args.prompts_per_step}x{args.group_size} completions, "
+    f"{args.max_new_tokens} new tokens, beta {args.beta}, {args.dtype} autocast, "
+    f"{args.steps - 1} timed steps"
+)
+
 
 def fmt(x, spec=".1f"):
     return "-" if x is None else format(x, spec)
@@ -319,17 +449,21 @@ if args.decode:
     sys.exit(0)
 
 if args.grid:  # cost growth, one side at a time: G at 128 tokens, then tokens at G = 8
-    points = [dict(group_size=g, max_new_tokens=128) for g in (4, 8, 16)] + \
-        [dict(group_size=8, max_new_tokens=t) for t in (64, 256)]
+    points = [dict(group_size=g, max_new_tokens=128) for g in (4, 8, 16)] + [
+        dict(group_size=8, max_new_tokens=t) for t in (64, 256)
+    ]
     trl_points = [dict(group_size=4, max_new_tokens=128), dict(group_size=8, max_new_tokens=128)]
     print("\n| side | G | max new tokens | step s | generate s | train s | mean completion len | peak RSS GiB |")
     print("|---|---|---|---|---|---|---|---|")
     for side, pts in [("ours", points)] + ([("trl", trl_points)] if args.vs_trl else []):
         for pt in pts:
             med, peak, _ = run_side(side, **pt)
-            print(f"| {side} | {pt['group_size']} | {pt['max_new_tokens']} | {fmt(med['t_step'])} | "
-                  f"{fmt(med.get('t_generate'))} | {fmt(med.get('t_train'))} | {med['completion_len']:.0f} | "
-                  f"{peak:.2f} |", flush=True)
+            print(
+                f"| {side} | {pt['group_size']} | {pt['max_new_tokens']} | {fmt(med['t_step'])} | "
+                f"{fmt(med.get('t_generate'))} | {fmt(med.get('t_train'))} | {med['completion_len']:.0f} | "
+                f"{peak:.2f} |",
+                flush=True,
+            )
     sys.exit(0)
 
 ratios = []  # (step time, peak RSS, per-token step time) ours / TRL, one per round
@@ -346,14 +480,23 @@ for rnd in range(args.rounds if args.vs_trl else 1):
     for name, (med, peak, _) in results.items():
         n_tok = med["completion_len"] * args.prompts_per_step * args.group_size
         g = med.get("t_generate")
-        print(f"| {name} | {fmt(med['t_step'])} | {fmt(g)} | {fmt(med.get('t_reference'))} | "
-              f"{fmt(med.get('t_train'))} | {fmt(g and n_tok / g, '.0f')} | {med['completion_len']:.0f} | {peak:.2f} |")
+        print(
+            f"| {name} | {fmt(med['t_step'])} | {fmt(g)} | {fmt(med.get('t_reference'))} | "
+            f"{fmt(med.get('t_train'))} | {fmt(g and n_tok / g, '.0f')} | {med['completion_len']:.0f} | {peak:.2f} |"
+        )
     from transformers import AutoConfig  # noqa: E402
     from models import resolve_model  # noqa: E402
+
     med = results[f"ours, micro-batch {args.micro_batch}"][0]
     peak = matmul_gflops(getattr(torch, args.dtype))
-    flops = step_flops(AutoConfig.from_pretrained(resolve_model(args.model)), args.prompts_per_step,
-                       args.group_size, med["prompt_len"], med["completion_len"], args.micro_batch)
+    flops = step_flops(
+        AutoConfig.from_pretrained(resolve_model(args.model)),
+        args.prompts_per_step,
+        args.group_size,
+        med["prompt_len"],
+        med["completion_len"],
+        args.micro_batch,
+    )
     print(f"\nours against a FLOP estimate ({args.dtype} matmul: {peak:.0f} GFLOP/s on this machine)\n")
     print("| phase | estimated GFLOP | at the matmul rate s | measured s | share of the matmul rate |")
     print("|---|---:|---:|---:|---:|")
@@ -361,12 +504,22 @@ for rnd in range(args.rounds if args.vs_trl else 1):
         print(f"| {k[2:]} | {f / 1e9:.0f} | {f / 1e9 / peak:.1f} | {med[k]:.1f} | {f / 1e9 / peak / med[k]:.0%} |")
     if args.vs_trl:
         (o, po, _), (t, pt, _) = list(results.values())[:2]  # the same micro-batch on both sides
-        ratios.append((o["t_step"] / t["t_step"], po / pt,
-                       (o["t_step"] / o["completion_len"]) / (t["t_step"] / t["completion_len"])))
-        print(f"\nours / TRL at micro-batch {args.micro_batch} on both sides: "
-              "step time {:.2f}x, peak RSS {:.2f}x, per-token step time {:.2f}x".format(*ratios[-1]))
+        ratios.append(
+            (
+                o["t_step"] / t["t_step"],
+                po / pt,
+                (o["t_step"] / o["completion_len"]) / (t["t_step"] / t["completion_len"]),
+            )
+        )
+        print(
+            f"\nours / TRL at micro-batch {args.micro_batch} on both sides: "
+            "step time {:.2f}x, peak RSS {:.2f}x, per-token step time {:.2f}x".format(*ratios[-1])
+        )
 if len(ratios) > 1:
-    print(f"\nmedian over {len(ratios)} rounds, micro-batch {args.micro_batch} on both sides: "
-          "step time {:.2f}x, peak RSS {:.2f}x, per-token step time {:.2f}x".format(
-              *(statistics.median(r[i] for r in ratios) for i in range(3))))
+    print(
+        f"\nmedian over {len(ratios)} rounds, micro-batch {args.micro_batch} on both sides: "
+        "step time {:.2f}x, peak RSS {:.2f}x, per-token step time {:.2f}x".format(
+            *(statistics.median(r[i] for r in ratios) for i in range(3))
+        )
+    )
 decode_vs_gemm(DECODE_ROWS)  # the decode step's gap to its own matmuls, on this CPU

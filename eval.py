@@ -30,10 +30,12 @@ import run
 from models import DTYPES, check_dtype, load_model, load_tokenizer, resolve_device, resolve_dtype
 from tasks import TASKS, evaluate, pass_at_k  # noqa: F401 (pass_at_k: eval.pass_at_k)
 
+
 def fresh(path):
     """path, or where it exists path's stem with -1, -2, ...: what a tool writes by default replaces nothing."""
     stem, ext = os.path.splitext(path)
     return next(p for i in range(10**6) if not os.path.exists(p := f"{stem}-{i}{ext}" if i else path))
+
 
 def read_metrics(path):
     """A run dir or its metrics.jsonl -> its rows (dicts with a step), sorted by step; ValueError if none."""
@@ -45,10 +47,12 @@ def read_metrics(path):
         raise ValueError(f"{path} has no metrics rows (empty, or the run has not logged a step); nothing plotted")
     return sorted(rows, key=lambda r: r["step"])
 
+
 def series(rows, key):
     """(steps, values) of the rows that logged `key`; null (a non-finite value in the run) is left out."""
     pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
     return [s for s, _ in pts], [v for _, v in pts]
+
 
 def running_mean(values, window):
     out, total = [], 0.0
@@ -56,6 +60,7 @@ def running_mean(values, window):
         total += v - (values[i - window] if i >= window else 0.0)
         out.append(total / min(i + 1, window))
     return out
+
 
 def load_checkpoint_model(path, device, dtype, merge=True):
     """A train.py checkpoint (ckpt.pt or its run dir) -> (model, tokenizer, the run's flags). A LoRA run's
@@ -65,10 +70,12 @@ def load_checkpoint_model(path, device, dtype, merge=True):
     cfg, cpu, rank = ckpt["config"], torch.device("cpu"), ckpt["config"].get("lora_rank", 0)
     if "dcp" in ckpt:  # an --fsdp run: fp32 master weights, sharded
         import scale
+
         model = load_model(cfg["model"], cpu, torch.float32, trainable=False)
         scale.load_dcp(os.path.join(os.path.dirname(path), ckpt["dcp"]), model)
     elif rank:  # the adapters, on the fp32 base they were trained on
         import scale
+
         model = scale.add_lora(load_model(cfg["model"], cpu, torch.float32, trainable=False), rank, seed=cfg["seed"])
         scale.load_trainable_state(model, ckpt["model"])
         if not merge:
@@ -78,6 +85,7 @@ def load_checkpoint_model(path, device, dtype, merge=True):
         model = load_model(cfg["model"], device, dtype, trainable=False)
         model.load_state_dict(ckpt["model"])
     return model.to(device, dtype), load_tokenizer(cfg["model"]), cfg
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -93,23 +101,51 @@ def main():
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=32, help="completions decoded together")
     p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
-                   help="weights for decoding; auto: bfloat16 where its matmuls are native, else float32")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *sorted(DTYPES)],
+        help="weights for decoding; auto: bfloat16 where its matmuls are native, else float32",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=run.user_path, help="predictions jsonl (default: beside the ckpt, or "
-                   "./predictions.jsonl; a new name when that exists)")
-    p.add_argument("--export", type=run.user_path, metavar="DIR",
-                   help="write --ckpt as a HF folder (weights in --dtype, LoRA merged) to DIR instead of evaluating")
+    p.add_argument(
+        "--out",
+        type=run.user_path,
+        help="predictions jsonl (default: beside the ckpt, or ./predictions.jsonl; a new name when that exists)",
+    )
+    p.add_argument(
+        "--export",
+        type=run.user_path,
+        metavar="DIR",
+        help="write --ckpt as a HF folder (weights in --dtype, LoRA merged) to DIR instead of evaluating",
+    )
     p.add_argument("--adapter", action="store_true", help="with --export: a LoRA run's adapters as a peft folder")
-    p.add_argument("--plot", nargs="+", type=run.user_path, metavar="RUN", help="draw these runs' curves to --out "
-                   "(default curves.png, or a new name when that exists) instead of evaluating")
+    p.add_argument(
+        "--plot",
+        nargs="+",
+        type=run.user_path,
+        metavar="RUN",
+        help="draw these runs' curves to --out "
+        "(default curves.png, or a new name when that exists) instead of evaluating",
+    )
     p.add_argument("--key", default="reward", help="--plot: the first panel's metric (e.g. reward/correct, kl)")
     p.add_argument("--eval-key", default=None, help="--plot: the eval panel's (default: eval/strict_acc if logged)")
     p.add_argument("--smooth", type=int, default=5, help="--plot: running-mean window in steps")
     p.add_argument("--title", default=None, help="--plot: the figure's title")
     args = p.parse_args()
-    run.check(p, args, {"limit": ">= 1", "n": ">= 1", "temperature": "> 0", "max_new_tokens": ">= 1",
-                        "batch_size": ">= 1", "seed": "[0, 9e18]", "smooth": ">= 1"})
+    run.check(
+        p,
+        args,
+        {
+            "limit": ">= 1",
+            "n": ">= 1",
+            "temperature": "> 0",
+            "max_new_tokens": ">= 1",
+            "batch_size": ">= 1",
+            "seed": "[0, 9e18]",
+            "smooth": ">= 1",
+        },
+    )
     given = {k for k, v in vars(args).items() if v != p.get_default(k)}
     plotting = {"key", "eval_key", "smooth", "title"}
     idle = sorted(given - {"plot", "out"} - plotting if args.plot else given & plotting)
@@ -130,13 +166,20 @@ def main():
         dtype, note = resolve_dtype(args.dtype, device)
         check_dtype(device, dtype)
         task = TASKS[args.task]
-        examples = task.load(args.split, data_dir=args.data_dir)[:args.limit]  # what must exist, before any write
-        beside = os.path.join(args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(args.ckpt),
-                              f"predictions_{args.task}_{args.split}.jsonl") if args.ckpt else "predictions.jsonl"
+        examples = task.load(args.split, data_dir=args.data_dir)[: args.limit]  # what must exist, before any write
+        beside = (
+            os.path.join(
+                args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(args.ckpt),
+                f"predictions_{args.task}_{args.split}.jsonl",
+            )
+            if args.ckpt
+            else "predictions.jsonl"
+        )
         out = args.out or fresh(beside)  # a default never replaces a file
         if os.path.isdir(out):
-            raise ValueError(f"--out {out} is a directory; pass a file path such as "
-                             f"{os.path.join(out, 'predictions.jsonl')}")
+            raise ValueError(
+                f"--out {out} is a directory; pass a file path such as {os.path.join(out, 'predictions.jsonl')}"
+            )
         folder = os.path.dirname(os.path.abspath(out))
         while not os.path.exists(folder):  # the nearest folder that is there: the rest would be made
             folder = os.path.dirname(folder)
@@ -152,18 +195,34 @@ def main():
             os.remove(out + ".tmp")
         except OSError as e:
             raise ValueError(f"--out {out} cannot be written ({e.strerror}); pass another path") from None
-        model, tok, cfg = load_checkpoint_model(args.ckpt, device, dtype) if args.ckpt else \
-            (load_model(name, device, dtype, trainable=False), load_tokenizer(name), cfg)
+        model, tok, cfg = (
+            load_checkpoint_model(args.ckpt, device, dtype)
+            if args.ckpt
+            else (load_model(name, device, dtype, trainable=False), load_tokenizer(name), cfg)
+        )
         env = task.tools(tok, cfg.get("max_tool_calls", 4)) if task.tools else None  # the run's call limit
     except ValueError as e:  # ModelError, DataError, a bad checkpoint or path: what was named cannot be used
         p.error(str(e))
     try:
         if note:
             print(note)
-        summary, records = evaluate(model, tok, task, examples, args.max_new_tokens, args.batch_size, args.n,
-                                    args.temperature, args.seed, dtype=dtype, env=env)
-        print(f"{args.task}/{args.split} {args.ckpt or name}: " +
-              " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items()))
+        summary, records = evaluate(
+            model,
+            tok,
+            task,
+            examples,
+            args.max_new_tokens,
+            args.batch_size,
+            args.n,
+            args.temperature,
+            args.seed,
+            dtype=dtype,
+            env=env,
+        )
+        print(
+            f"{args.task}/{args.split} {args.ckpt or name}: "
+            + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items())
+        )
         try:
             with open(tmp := out + ".tmp", "w") as f:  # written whole, then renamed: a kill leaves no half file
                 f.writelines(json.dumps(r) + "\n" for r in records)
@@ -174,6 +233,7 @@ def main():
     finally:  # every way out, an interruption too: no temp file left behind
         run.remove(tmp)
 
+
 def plot(p, args):
     """eval.py --plot RUN...: the runs' curves, one line each (a run given twice would hide itself)."""
     paths = [os.path.abspath(r) for r in args.plot]
@@ -182,6 +242,7 @@ def plot(p, args):
     args.out = args.out or fresh("curves.png")  # a default never replaces a file
     try:
         import matplotlib
+
         matplotlib.use("Agg")  # no display needed
         import matplotlib.pyplot as plt
         from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -196,8 +257,9 @@ def plot(p, args):
         runs = {label: read_metrics(r) for label, r in zip(labels, args.plot)}
     except ValueError as e:
         sys.exit(f"error: {e}")
-    have = sorted({k for rows in runs.values() for r in rows for k, v in r.items()
-                   if k != "step" and isinstance(v, (int, float))})
+    have = sorted(
+        {k for rows in runs.values() for r in rows for k, v in r.items() if k != "step" and isinstance(v, (int, float))}
+    )
     eval_key = args.eval_key or ("eval/strict_acc" if "eval/strict_acc" in have else None)
     for flag, key in (("--key", args.key), ("--eval-key", eval_key)):
         if key is not None and key not in have:
@@ -205,7 +267,7 @@ def plot(p, args):
     fig, axes = plt.subplots(1, 2 if eval_key else 1, figsize=(11 if eval_key else 6, 4), squeeze=False)
     for name, rows in runs.items():
         steps, values = series(rows, args.key)
-        line, = axes[0][0].plot(steps, running_mean(values, args.smooth), label=name)
+        (line,) = axes[0][0].plot(steps, running_mean(values, args.smooth), label=name)
         if eval_key and series(rows, eval_key)[0]:
             axes[0][1].plot(*series(rows, eval_key), marker="o", color=line.get_color(), label=name)
     axes[0][0].set(xlabel="step", ylabel=f"{args.key} (running mean, {args.smooth} steps)")
@@ -245,6 +307,7 @@ def export(p, args, given):
     if failed:
         sys.exit(f"error: {failed}")
     print(f"exported {args.ckpt} ({'adapter' if args.adapter else name}) to {args.export}")
+
 
 def export_hf(model, tokenizer, path, dtype, adapter=False, state_dict=None):
     """Write `model` as a folder AutoModelForCausalLM.from_pretrained loads -> None, or a one-line reason it
@@ -287,6 +350,7 @@ def export_hf(model, tokenizer, path, dtype, adapter=False, state_dict=None):
             raise
         why = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {str(e)[:120]}"
         return f"could not write {path} ({why}); the previous export there is kept"
+
 
 if __name__ == "__main__":
     main()

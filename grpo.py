@@ -12,30 +12,40 @@ LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
 IMPORTANCE_LEVELS = ("token", "sequence")
 BEHAVIOUR_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
+
 def _check(ok, message):
     if not ok:
         raise ValueError(message)
 
+
 def _check_choice(name, value, choices):
     _check(value in choices, f"{name} must be one of {choices}, got {value!r}")
+
 
 def _check_shape(shape, **tensors):  # None passes: an optional input
     for name, x in tensors.items():
         if x is not None:
             _check(tuple(x.shape) == tuple(shape), f"{name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
 
+
 def _check_groups(n, group_size):  # a group of one has no baseline
-    _check(isinstance(group_size, int) and group_size >= 2 and n % group_size == 0,
-           f"group_size must be an int >= 2 that divides the number of rows ({n}), got {group_size!r}")
+    _check(
+        isinstance(group_size, int) and group_size >= 2 and n % group_size == 0,
+        f"group_size must be an int >= 2 that divides the number of rows ({n}), got {group_size!r}",
+    )
+
 
 def _up(x):  # exp/ratio math in at least fp32: bf16 has ~3 significant digits
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
+
 def _mean(x, mask):  # over valid entries, 0-dim, no host sync; 0 for an all-masked call, not NaN
     return torch.where(mask, x, 0).sum() / mask.sum().clamp(min=1)
 
+
 def _max(x, mask):  # as _mean; the min is -_max(-x, mask)
     return torch.where(mask.any(), torch.where(mask, x, -torch.inf).amax(), 0.0)
+
 
 # --- advantages
 def informative_groups(rewards, group_size):
@@ -46,11 +56,13 @@ def informative_groups(rewards, group_size):
     r = rewards.view(-1, group_size)  # (N/G, G)
     return (r != r[:, :1]).any(1)  # (N/G,); exact, not std == 0: the float mean of equal values need not equal them
 
+
 def pick_groups(rewards, group_size, count):
     """DAPO dynamic sampling (https://arxiv.org/abs/2503.14476 §3.2): the first `count` informative groups, topped up
     with the last flat ones (the caller masks them). rewards (N,), in sampling order -> sorted group indices (count,)"""
     informative = informative_groups(rewards, group_size)  # (N/G,)
     return torch.cat([informative.nonzero(), (~informative).nonzero().flip(0)])[:count, 0].sort().values
+
 
 def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     """Outcome supervision (DeepSeekMath §4.1.2): A_i = (r_i - mean(group)) / (std + eps), unbiased std (the paper's
@@ -65,6 +77,7 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     std = {"group": r.std(1, keepdim=True) + eps, "batch": r.std() + eps, "none": 1.0}[scale]  # (N/G, 1) or 0-dim
     adv = (r - r.mean(1, keepdim=True)) / std  # (N/G, G)
     return torch.where(flat, 0.0, adv).view(-1), flat.float().mean()  # (N,), 0-dim
+
 
 def process_advantages(step_rewards, step_ends, step_mask, group_size, seq_len, eps=1e-4):
     """Process supervision (DeepSeekMath §4.1.3): step j of an output ends at token step_ends[j] with reward r_j;
@@ -86,9 +99,10 @@ def process_advantages(step_rewards, step_ends, step_mask, group_size, seq_len, 
     per_token = r.new_zeros(N, seq_len).scatter_add_(1, torch.where(m, step_ends, 0), torch.where(m, norm, 0))
     return per_token.flip(1).cumsum(1).flip(1)  # (N, T): each step's r~ on its last token, summed from t on
 
+
 # --- per-token pieces
 def importance_ratio(logp, old_logp, mask, level="token"):
-    """"token" (the paper): rho_t = exp(logp_t - old_logp_t); "sequence" (GSPO, https://arxiv.org/abs/2507.18071 eq. 7):
+    """ "token" (the paper): rho_t = exp(logp_t - old_logp_t); "sequence" (GSPO, arXiv 2507.18071 eq. 7):
     exp(sum_t m_t (logp_t - old_logp_t) / sum_t m_t) on the whole row. (N, T) each -> (N, T), 1 at padding (token)"""
     _check_choice("importance_level", level, IMPORTANCE_LEVELS)
     mask = mask.bool()
@@ -96,6 +110,7 @@ def importance_ratio(logp, old_logp, mask, level="token"):
     if level == "sequence":
         log_ratio = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(mask)  # (N, T)
     return log_ratio.exp()
+
 
 def clipped_surrogate(ratio, advantages, eps_low=0.2, eps_high=None, delta=None):
     """DeepSeekMath eq. 3, to maximise: min(min(rho, delta) A, clip(rho, 1 - eps_low, 1 + eps_high) A); eps_high >
@@ -107,16 +122,19 @@ def clipped_surrogate(ratio, advantages, eps_low=0.2, eps_high=None, delta=None)
     ratio = ratio if delta is None else ratio.clamp(max=delta)
     return torch.minimum(ratio * advantages, clipped)
 
+
 def cispo_surrogate(ratio, advantages, logp, cap=5.0):
     """CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585 §3.1 eq. 4-5), to maximise sg(min(rho, cap)) A log pi: the
     weight is detached, a clipped token keeps its gradient; no lower bound. ratio, logp (N, T), A (N, 1|T) -> (N, T)"""
     return ratio.clamp(max=cap).detach() * advantages * logp
+
 
 def sapo_surrogate(ratio, advantages, tau_pos=1.0, tau_neg=1.05):
     """SAPO (https://arxiv.org/abs/2511.20347 §3), to maximise f(rho) A, f(x) = sigmoid(tau (x - 1)) 4 / tau with
     tau = tau_pos if A > 0 else tau_neg: a soft gate for the clip, f'(1) = 1. ratio (N, T), A (N, 1|T) -> (N, T)"""
     tau = torch.where(advantages > 0, ratio.new_tensor(tau_pos), tau_neg)  # (N, 1|T), in ratio's dtype: 1.05 in fp64
     return torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
+
 
 def kl_estimate(logp, ref_logp, estimator="k3_clamped"):
     """Per-token KL(pi || pi_ref) from tokens sampled from pi, x = ref_logp - logp (joschu.net/blog/kl-approx.html):
@@ -130,6 +148,7 @@ def kl_estimate(logp, ref_logp, estimator="k3_clamped"):
     x = x.clamp(-20, 20) if estimator == "k3_clamped" else x  # bounded before exp: no overflow in value or grad
     k3 = torch.expm1(x) - x  # expm1 keeps k3 >= 0 in floating point, exp(x) - 1 can round below x
     return k3.clamp(max=10) if estimator == "k3_clamped" else k3  # verl clamps to [-10, 10]; k3 >= 0
+
 
 def behaviour_weights(train_logp, sample_logp, mask, mode="token_truncate", cap=2.0):
     """Sampler/trainer mismatch (TIS, https://fengyao.notion.site/off-policy-rl; TRL vllm_importance_sampling_mode): the
@@ -149,9 +168,14 @@ def behaviour_weights(train_logp, sample_logp, mask, mode="token_truncate", cap=
         w = torch.where(mask & (mode != "none"), w, 1.0)  # (N, T)
         a, n = d.abs(), mask.sum().clamp(min=1)  # (N, T), 0-dim; metrics with no host sync
         p99 = torch.nanquantile(torch.where(mask, a, torch.nan).flatten(), 0.99)  # nanquantile skips padding
-        metrics = {"is_capped": out.sum() / n, "dlogp_mean": a.sum() / n,
-                   "dlogp_p99": torch.where(mask.any(), p99, 0.0), "dlogp_max": a.amax()}
+        metrics = {
+            "is_capped": out.sum() / n,
+            "dlogp_mean": a.sum() / n,
+            "dlogp_p99": torch.where(mask.any(), p99, 0.0),
+            "dlogp_max": a.amax(),
+        }
     return w, metrics
+
 
 def full_kl(logits, ref_logits, mask=None):
     """Exact per-token KL(pi || pi_ref) = sum_v pi(v) (log pi(v) - log pi_ref(v)) in fp32; the caller bounds memory
@@ -160,6 +184,7 @@ def full_kl(logits, ref_logits, mask=None):
     logq, logq_ref = _up(logits).log_softmax(-1), _up(ref_logits).log_softmax(-1)  # (N, T, V)
     kl = (logq.exp() * (logq - logq_ref)).sum(-1)  # (N, T)
     return kl if mask is None else torch.where(mask.bool(), kl, 0.0)
+
 
 def top_entropy_mask(entropy, mask, quantile):
     """The policy term on high-entropy "forking" tokens only (https://arxiv.org/abs/2506.01939): valid tokens with
@@ -172,6 +197,7 @@ def top_entropy_mask(entropy, mask, quantile):
     h = torch.where(mask, _up(entropy.detach()), torch.nan)  # (N, T)
     threshold = torch.nanquantile(h.flatten(), 1 - quantile)  # nan quantile skips padding, no host sync
     return mask & (h >= threshold)
+
 
 # --- aggregation and the full loss
 def aggregate(per_token, mask, loss_type="grpo", num_sequences=None, num_tokens=None, max_len=None):
@@ -197,10 +223,12 @@ def aggregate(per_token, mask, loss_type="grpo", num_sequences=None, num_tokens=
     num_tokens = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens)
     return masked.sum() / num_tokens.clamp(min=1)
 
+
 @dataclass(frozen=True)
 class Objective:
     """grpo_loss's options, each train.py's flag or config key of the same name (max_len: --max-new-tokens, dr_grpo's
     divisor). eps_high=None becomes eps. Choices and cross-field checks here, each value's range in train.py's check."""
+
     beta: float = 0.04
     kl_estimator: str = "k3_clamped"
     loss_type: str = "grpo"
@@ -223,11 +251,26 @@ class Objective:
         object.__setattr__(self, "eps_high", eh)  # frozen: resolved once, here; the checks below fail on NaN too
         _check(eh >= self.eps, f"--eps-high {eh} < --eps {self.eps}: clip-higher needs eps_high >= eps")
         _check(self.delta is None or self.delta > 1 + eh, f"--delta {self.delta} must be > 1 + eps_high = {1 + eh}")
-        _check(self.loss_type not in ("cispo", "sapo") or (self.delta is None and eh == self.eps),  # TRL ignores them
-               f"--loss-type {self.loss_type} does not clip: drop --delta and --eps-high (cispo's bound is cispo_cap)")
+        _check(
+            self.loss_type not in ("cispo", "sapo") or (self.delta is None and eh == self.eps),  # TRL ignores them
+            f"--loss-type {self.loss_type} does not clip: drop --delta and --eps-high (cispo's bound is cispo_cap)",
+        )
 
-def grpo_loss(logp, old_logp, ref_logp, advantages, mask, obj, *, entropy=None, kl=None, behaviour_weights=None,
-              num_sequences=None, num_tokens=None):
+
+def grpo_loss(
+    logp,
+    old_logp,
+    ref_logp,
+    advantages,
+    mask,
+    obj,
+    *,
+    entropy=None,
+    kl=None,
+    behaviour_weights=None,
+    num_sequences=None,
+    num_tokens=None,
+):
     """DeepSeekMath eq. 3 with obj's variants, per token, then aggregate(l, mask, obj.loss_type, ...):
         l_t = -S_t e_t w_t + beta KL_t - entropy_coef H_t, S_t = min(min(rho, delta) A, clip(rho, 1-eps, 1+eps_high) A)
     or cispo_/sapo_surrogate's; e_t (top_entropy_mask) and w_t (behaviour_weights, detached) scale the policy term
@@ -237,14 +280,23 @@ def grpo_loss(logp, old_logp, ref_logp, advantages, mask, obj, *, entropy=None, 
     _check(logp.dim() == 2, f"logp must have shape (N, T), got {tuple(logp.shape)}")
     N, T = logp.shape
     _check_shape((N, T) if advantages.dim() == 2 else (N,), advantages=advantages)
-    _check_shape((N, T), mask=mask, old_logp=old_logp, ref_logp=ref_logp, entropy=entropy, kl=kl,
-                 behaviour_weights=behaviour_weights)
+    _check_shape(
+        (N, T),
+        mask=mask,
+        old_logp=old_logp,
+        ref_logp=ref_logp,
+        entropy=entropy,
+        kl=kl,
+        behaviour_weights=behaviour_weights,
+    )
     full, beta, est = obj.kl_estimator == "full", obj.beta, obj.kl_estimator
     _check(kl is None or full, f"kl is read only with kl_estimator='full', got kl_estimator={est!r}")
     _check(not (beta > 0 and full and kl is None), "kl_estimator='full' needs kl=full_kl(logits, ref_logits)")
     _check(not (beta > 0 and not full and ref_logp is None), "ref_logp is required when beta > 0 (or set beta=0)")
-    _check(entropy is not None or not (obj.entropy_coef != 0 or obj.top_entropy_quantile < 1),
-           "entropy is required when entropy_coef != 0 or top_entropy_quantile < 1")
+    _check(
+        entropy is not None or not (obj.entropy_coef != 0 or obj.top_entropy_quantile < 1),
+        "entropy is required when entropy_coef != 0 or top_entropy_quantile < 1",
+    )
     mask = mask.bool()
     logp = torch.where(mask, _up(logp), 0.0)  # padding zeroed: garbage there reaches neither value nor grad
     old_logp = logp.detach() if old_logp is None else old_logp

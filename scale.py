@@ -24,11 +24,13 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, set
 # -----------------------------------------------------------------------------
 # LoRA through peft: the adapters train, the base is frozen; the base with its adapters off is the reference
 
+
 def add_lora(model, rank, seed=0):
     """`model` with LoRA adapters of rank `rank` (alpha = 2 * rank, no dropout) on every linear of attention
     and MLP. Adapter B starts at 0, so the model computes what the base computes until the first update.
     A is drawn from `seed` on the CPU: every rank of a run starts from the same adapters."""
     import warnings
+
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError:
@@ -40,27 +42,34 @@ def add_lora(model, rank, seed=0):
         torch.default_generator.manual_seed(seed)
         return get_peft_model(model, cfg)
 
+
 def is_lora(model):
     return hasattr(model, "peft_config")
+
 
 def trainable_state(model):
     """What a checkpoint keeps: a LoRA model's adapter weights (peft's keys), else the whole state."""
     if not is_lora(model):
         return model.state_dict()
     from peft import get_peft_model_state_dict
+
     return get_peft_model_state_dict(model)
+
 
 def load_trainable_state(model, state):
     """Inverse of trainable_state; every adapter weight must be in `state`."""
     if not is_lora(model):
         return model.load_state_dict(state)
     from peft import set_peft_model_state_dict
+
     missing = [k for k in set_peft_model_state_dict(model, state).missing_keys if "lora_" in k]
     if missing:
         raise ValueError(f"the checkpoint lacks adapter weights such as {missing[0]}")
 
+
 # -----------------------------------------------------------------------------
 # several processes
+
 
 def average_gradients(params, world):
     """Mean of each gradient over the ranks: one all-reduce per parameter, issued together."""
@@ -70,17 +79,20 @@ def average_gradients(params, world):
         if q.grad is not None:
             q.grad.div_(world)
 
+
 def all_gather(x):
     """Every rank's x (n, ...) -> (world * n, ...), in rank order."""
     everyone = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, x)
     return torch.cat(everyone)
 
+
 def shard(model, device, dtype):
     """Shard `model` in place over all ranks (FSDP2): parameters gathered in `dtype` for compute, fp32
     master shards, gradients reduced in fp32. The model may sit on the CPU: each rank moves its shards."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(param_dtype=None if dtype == torch.float32 else dtype, reduce_dtype=torch.float32)
     for layer in model.get_decoder().layers:
@@ -93,6 +105,7 @@ def shard(model, device, dtype):
     model.reshard()
     return model
 
+
 @contextmanager
 def gathered(model):
     """Every parameter of a sharded model gathered, for sampling or an eval that then issue no collective
@@ -101,6 +114,7 @@ def gathered(model):
         yield
         return
     from torch.distributed.fsdp import FSDPModule
+
     units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
     for m in units + [model]:
         m.unshard()
@@ -114,16 +128,20 @@ def gathered(model):
             m.reshard()
         model.reshard()
 
+
 def full_state_dict(model):
     """The whole state dict, gathered to rank 0's CPU for a sharded model (every rank must call; others
     get {}); a plain model's own state dict otherwise."""
     if not hasattr(model, "unshard"):
         return model.state_dict()
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
 
 # -----------------------------------------------------------------------------
 # checkpoints: a LoRA run keeps its adapters; a sharded run its DCP shards, each rank its own
+
 
 def save_state(state, policy, optimizer, out_dir, step):
     """Add this policy's part to a checkpoint's `state` (run.save_run) -> None or a one-line reason it failed.
@@ -134,11 +152,13 @@ def save_state(state, policy, optimizer, out_dir, step):
     state["dcp"], failed = save_dcp(policy, optimizer, out_dir, step)
     return failed
 
+
 def load_state(ckpt, run_dir, policy, optimizer):
     if "dcp" in ckpt:
         return load_dcp(os.path.join(run_dir, ckpt["dcp"]), policy, optimizer)
     load_trainable_state(policy, ckpt["model"])
     optimizer.load_state_dict(ckpt["optimizer"])
+
 
 def save_dcp(model, optimizer, out_dir, step):
     """Model and optimizer shards into out_dir/dcp-<step> (every rank calls) -> (name, None) or (None, a
@@ -146,6 +166,7 @@ def save_dcp(model, optimizer, out_dir, step):
     dcp-* directories go once ckpt.pt names the new one (remove_old_dcp)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
+
     name = f"dcp-{step:06d}"
     path, tmp = os.path.join(out_dir, name), os.path.join(out_dir, name + ".tmp")
     if dist.get_rank() == 0:
@@ -165,21 +186,35 @@ def save_dcp(model, optimizer, out_dir, step):
     dist.barrier()
     return (None, error + "; the last good checkpoint is kept") if error else (name, None)
 
+
 def remove_old_dcp(out_dir, keep):
     for f in os.listdir(out_dir):
         if f.startswith("dcp-") and f != keep:
             shutil.rmtree(os.path.join(out_dir, f), ignore_errors=True)
 
+
 # DCP unpickles its .metadata and its non-tensor items whole, which could run code: only its own types and data pass
-DCP_TYPES = {("torch", "Size"), ("pathlib", "PosixPath"), ("torch.serialization", "_get_layout"),
-             ("collections", "OrderedDict"), ("torch.distributed.checkpoint.filesystem", "_StorageInfo")}
+DCP_TYPES = {
+    ("torch", "Size"),
+    ("pathlib", "PosixPath"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+}
+
 
 class _Metadata(pickle.Unpickler):
     def find_class(self, module, name):  # DCP's dataclasses and enums, torch's sizes, dtypes and layouts
-        if (module == "torch.distributed.checkpoint.metadata" and "." not in name or (module, name) in DCP_TYPES
-                or module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+        if (
+            module == "torch.distributed.checkpoint.metadata"
+            and "." not in name
+            or (module, name) in DCP_TYPES
+            or module == "torch"
+            and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"GLOBAL {module}.{name}")
+
 
 class _Planner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value):  # DefaultLoadPlanner's own, with torch.load's weights-only unpickler
@@ -189,14 +224,23 @@ class _Planner(DefaultLoadPlanner):
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
 
+
 def load_dcp(path, model, optimizer=None):
     """Model (and optimizer) state from a DCP directory: a sharded model reads its shards; without a process
     group one process reads the whole model (eval.py). ValueError in one line for a folder holding more than
     DCP's own types and plain data (nothing in it runs)."""
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                         set_state_dict)
-    state = {"model": get_model_state_dict(model)} if optimizer is None else dict(zip(
-        ("model", "optim"), get_state_dict(model, optimizer)))
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
+    state = (
+        {"model": get_model_state_dict(model)}
+        if optimizer is None
+        else dict(zip(("model", "optim"), get_state_dict(model, optimizer)))
+    )
     try:
         with open(os.path.join(path, ".metadata"), "rb") as f:
             _Metadata(f).load()
@@ -211,21 +255,31 @@ def load_dcp(path, model, optimizer=None):
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
+
 # -----------------------------------------------------------------------------
 # log_to: the metrics also to TensorBoard or Weights & Biases (WANDB_MODE=offline keeps them on this machine)
+
 
 def tracker(name, out_dir, config, resume_step=0):
     """-> (log(scalars, step=), close())."""
     if name == "tensorboard":
         from torch.utils.tensorboard import SummaryWriter
+
         tb = SummaryWriter(os.path.join(out_dir, "tensorboard"), purge_step=resume_step or None)
 
         def log(scalars, step):
             for k, v in scalars.items():
                 tb.add_scalar(k, v, step)
             tb.flush()
+
         return log, tb.close
     import wandb
-    w = wandb.init(project=os.environ.get("WANDB_PROJECT", "grpo-mini"), config=config, dir=out_dir,
-                   name=os.path.basename(os.path.abspath(out_dir)), resume="allow")
+
+    w = wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "grpo-mini"),
+        config=config,
+        dir=out_dir,
+        name=os.path.basename(os.path.abspath(out_dir)),
+        resume="allow",
+    )
     return w.log, w.finish

@@ -12,25 +12,33 @@ import torch
 from rewards import answers_match
 from tasks import ARITH_OPS, OPS, chat_prompt, check_generated, sample_split
 
-PROMPT = ("Work it out one calculation a line, as: a op b = c. End with a final line: "
-          "#### <number>\nExample:\nWhat is 2 + 3 * 4?\n3 * 4 = 12\n2 + 12 = 14\n#### 14")
+PROMPT = (
+    "Work it out one calculation a line, as: a op b = c. End with a final line: "
+    "#### <number>\nExample:\nWhat is 2 + 3 * 4?\n3 * 4 = 12\n2 + 12 = 14\n#### 14"
+)
 prompt = partial(chat_prompt, PROMPT)
+
 
 def _evaluate(a, op1, b, op2, c):  # a op1 b op2 c with the usual precedence: `*` first, then left to right
     return OPS[op1](a, b * c) if op2 == "*" and op1 != "*" else OPS[op2](OPS[op1](a, b), c)
+
 
 def load_arith_steps(split, data_dir=None, n=None, ops=ARITH_OPS, seed=0):
     """n distinct problems {"question": "What is 3 + 4 * 2 - 5?", "answer": "6"}: three one-digit operands, two
     operators from `ops`, answers may be negative; 1,000 * len(ops)**2 problems split and n as in load_arith."""
     n, ops = check_generated(split, ops, n, data_dir), sorted(set(ops))
     space = [(a, o1, b, o2, c) for o1 in ops for o2 in ops for a in range(10) for b in range(10) for c in range(10)]
-    return [{"question": "What is {} {} {} {} {}?".format(*p), "answer": str(_evaluate(*p))}
-            for p in sample_split(space, split, n, random.Random(seed))]
+    return [
+        {"question": "What is {} {} {} {} {}?".format(*p), "answer": str(_evaluate(*p))}
+        for p in sample_split(space, split, n, random.Random(seed))
+    ]
+
 
 NUM = r"\s*(-?\d+)\s*"
 STEP_RE = re.compile(rf"{NUM}([-+*x×]){NUM}={NUM}")  # a op b = c
 FINAL_RE = re.compile(r"\s*#### (-?\d+)")  # #### N, one space as strict-match reads it
 STEP_OPS = {**OPS, "x": OPS["*"], "×": OPS["*"]}
+
 
 def _line_reward(line, gold):  # one line's reward in arith_step_rewards
     if step := STEP_RE.fullmatch(line):
@@ -38,6 +46,7 @@ def _line_reward(line, gold):  # one line's reward in arith_step_rewards
         return float(STEP_OPS[op](int(a), int(b)) == int(c))
     final = FINAL_RE.fullmatch(line)
     return float(final is not None and answers_match(final.group(1), gold))
+
 
 def arith_step_rewards(completion, example):
     """(char_end, reward) per non-empty line, char_end the end of its text (trailing spaces, `\\r` left out):
@@ -47,6 +56,7 @@ def arith_step_rewards(completion, example):
     [(9, 1.0), (20, 0.0), (28, 1.0)]"""
     lines = re.finditer(r"[^\n]*\S", completion)  # each line up to its last non-space character
     return [(m.end(), _line_reward(m.group(), example["answer"])) for m in lines] or [(len(completion), 0.0)]
+
 
 def step_positions(step_rewards, tokenizer, completion_ids, lengths, completions, examples, group_size):
     """Steps as tensors for grpo.process_advantages: row i's steps are step_rewards(completions[i], examples[i //
@@ -59,7 +69,7 @@ def step_positions(step_rewards, tokenizer, completion_ids, lengths, completions
     ends, values, mask = torch.zeros(N, S, dtype=torch.long), torch.zeros(N, S), torch.zeros(N, S, dtype=torch.bool)
     decode = partial(tokenizer.decode, skip_special_tokens=True)
     for i, row in enumerate(steps):
-        ids = completion_ids[i, :int(lengths[i])].tolist()
+        ids = completion_ids[i, : int(lengths[i])].tolist()
         text = decode(ids)
         for j, (end, value) in enumerate(row):  # the last token of the shortest prefix holding text[:end]
             ends[i, j] = bisect_left(range(1, len(ids)), True, key=lambda k: decode(ids[:k])[:end] == text[:end])

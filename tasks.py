@@ -19,53 +19,79 @@ from typing import Callable, NamedTuple
 import torch
 from tqdm import tqdm
 
-from rewards import (answers_match, correctness_reward, extract_answer, extract_flexible, extract_gold,
-                     format_reward, has_final_answer)
+from rewards import (
+    answers_match,
+    correctness_reward,
+    extract_answer,
+    extract_flexible,
+    extract_gold,
+    format_reward,
+    has_final_answer,
+)
 from rollout import sample, stop_token_ids
 
 # prompts: the one place to edit what the model is told. short: a 135M model reads it.
 
-SYSTEM_PROMPT = ("Solve the problem step by step. Then give the final answer on its own "
-                 "last line as: #### <number> (or \\boxed{<number>}).")
+SYSTEM_PROMPT = (
+    "Solve the problem step by step. Then give the final answer on its own "
+    "last line as: #### <number> (or \\boxed{<number>})."
+)
 # one worked example: a 135M model rarely writes the #### line from the instruction alone
-ARITH_SYSTEM_PROMPT = ("Answer the question. End with a final line: #### <number>\n"
-                       "Example:\nWhat is 3 + 4?\n3 + 4 = 7\n#### 7")
+ARITH_SYSTEM_PROMPT = (
+    "Answer the question. End with a final line: #### <number>\nExample:\nWhat is 3 + 4?\n3 + 4 = 7\n#### 7"
+)
 MUL_SYSTEM_PROMPT = "Answer the question. End with a final line: #### <number>\nExample:\nWhat is 12 * 34?\n#### 408"
 TOOL_SYSTEM_PROMPT = "Answer the question. Use the calculator for arithmetic. End with a final line: #### <number>"
+
 
 def chat_prompt(system, example):
     return [{"role": "system", "content": system}, {"role": "user", "content": example["question"]}]
 
+
 def tool_prompt(example):  # one worked call as earlier turns (HF's tool-call format): else a 135M model rarely calls
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1234 * 56"}}}
-    return [{"role": "system", "content": TOOL_SYSTEM_PROMPT}, {"role": "user", "content": "What is 1234 * 56?"},
-            {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "content": "69104"},
-            {"role": "assistant", "content": "#### 69104"}, {"role": "user", "content": example["question"]}]
+    return [
+        {"role": "system", "content": TOOL_SYSTEM_PROMPT},
+        {"role": "user", "content": "What is 1234 * 56?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "69104"},
+        {"role": "assistant", "content": "#### 69104"},
+        {"role": "user", "content": example["question"]},
+    ]
+
 
 def _steps(name):  # process supervision's task lives in steps.py, imported when that task runs
     def call(*args, **kwargs):
         import steps
+
         return getattr(steps, name)(*args, **kwargs)
+
     return call
+
 
 def tool_reward(completions, tool_calls, tool_errors, **_):  # 1.0 where a tool call ran (an error's reply aside)
     return [float(c > e) for c, e in zip(tool_calls, tool_errors)]
 
+
 def calculator(tokenizer, max_calls=4):  # a task's tools in their environment; imports tools.py only when run
     import tools
+
     return tools.ToolEnv([tools.calculator], tokenizer, max_calls)
+
 
 class DataError(ValueError):
     """A user-facing data problem; train.py/eval.py print its one-line message and exit."""
 
+
 class Task(NamedTuple):
-    load: Callable            # load(split, data_dir=None) -> list[dict] with "question", "answer"
-    prompt: Callable          # prompt(example) -> chat messages
-    reward_fns: dict          # name -> fn(completions, **fields) -> list[float]
-    reward_weights: dict      # name -> default weight (train.py --reward-weights overrides by name)
-    score: Callable           # score(completion, example) -> dict for eval.py
+    load: Callable  # load(split, data_dir=None) -> list[dict] with "question", "answer"
+    prompt: Callable  # prompt(example) -> chat messages
+    reward_fns: dict  # name -> fn(completions, **fields) -> list[float]
+    reward_weights: dict  # name -> default weight (train.py --reward-weights overrides by name)
+    score: Callable  # score(completion, example) -> dict for eval.py
     step_rewards: Callable | None = None  # (completion, example) -> [(char_end, reward), ...]: see step_positions
     tools: Callable | None = None  # (tokenizer, max_calls) -> a tools.ToolEnv of the task's tools, plain functions
+
 
 def check_generated(split, ops="+", n=None, data_dir=None):  # a generator's checks -> n: 200 test / 10,000 train
     if data_dir:
@@ -76,11 +102,15 @@ def check_generated(split, ops="+", n=None, data_dir=None):  # a generator's che
         raise ValueError(f"unknown arith operator(s) {sorted(set(ops) - set('+-*'))}; use a string of +-*, e.g. '+-'")
     return n if n is not None else (200 if split == "test" else 10_000)
 
+
 # gsm8k: from a local copy, or downloaded once and checked by sha256
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
-GSM8K_SHA256 = {"train": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
-                "test": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14"}
+GSM8K_SHA256 = {
+    "train": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
+    "test": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
+}
 GSM8K_HINT = "pass --data-dir DIR or set GSM8K_DIR=DIR to a directory holding train.jsonl and test.jsonl"
+
 
 def load_gsm8k(split, data_dir=None):
     """GSM8K examples {"question", "answer" (gold number), "solution"} from data_dir, else $GSM8K_DIR (read as
@@ -116,25 +146,34 @@ def load_gsm8k(split, data_dir=None):
         except UnicodeDecodeError as e:
             raise DataError(f"{path}:{lineno}: byte {raw[e.start]:#04x} is not UTF-8; save the file as UTF-8") from None
         except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError too
-            why = (f"not valid JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else
-                   str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}")
+            why = (
+                f"not valid JSON ({e.msg})"
+                if isinstance(e, json.JSONDecodeError)
+                else str(e)
+                if isinstance(e, ValueError)
+                else f"{type(e).__name__}: {e}"
+            )
             raise DataError(f"{path}:{lineno}: {why}; expected an object with 'question' and 'answer'") from None
     if not examples:
         raise DataError(f"no examples in {path}; {GSM8K_HINT}")
     return examples
+
 
 # arith and its kin: generated, split by a hash of the problem
 ARITH_DIGITS, ARITH_OPS = 1, "+-*"  # default difficulty: within reach of a 135M model, whose gain is mostly format
 ARITH_TEST_PERCENT = 80  # test-only share: the default 255 problems hold >= 200 held-out, train ~51: must generalise
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
+
 def _is_test(*problem):  # split by a hash of the problem, e.g. (7, "+", 5): whatever n or seed, test never in train
     h = hashlib.sha256("".join(map(str, problem)).encode()).digest()
     return int.from_bytes(h[:4], "little") % 100 < ARITH_TEST_PERCENT
 
+
 def sample_split(space, split, n, rng):  # n distinct problems of `split` from an enumerated space, in rng's order
     pool = [p for p in space if _is_test(*p) == (split == "test")]
     return rng.sample(pool, min(n, len(pool)))
+
 
 def load_arith(split, data_dir=None, n=None, digits=ARITH_DIGITS, ops=ARITH_OPS, seed=0):
     """n distinct problems {"question": "What is 7 + 5?", "answer": "12"}: operands of up to `digits` digits, operators
@@ -142,7 +181,7 @@ def load_arith(split, data_dir=None, n=None, digits=ARITH_DIGITS, ops=ARITH_OPS,
     n = check_generated(split, ops, n, data_dir)
     if digits < 1:
         raise ValueError(f"digits must be >= 1, got {digits}")
-    rng, ops, hi = random.Random(seed), sorted(set(ops)), 10 ** digits - 1
+    rng, ops, hi = random.Random(seed), sorted(set(ops)), 10**digits - 1
     if len(ops) * (hi + 1) ** 2 <= 100_000:  # small space: enumerate it, so the cap is exact
         space = [(a, op, b) for op in ops for a in range(hi + 1) for b in range(hi + 1) if not (op == "-" and a < b)]
         problems = sample_split(space, split, n, rng)
@@ -157,34 +196,65 @@ def load_arith(split, data_dir=None, n=None, digits=ARITH_DIGITS, ops=ARITH_OPS,
                 break
     return [{"question": f"What is {a} {op} {b}?", "answer": str(OPS[op](a, b))} for a, op, b in problems]
 
+
 def score(completion, example):  # shared by all tasks
     """strict: the final-answer line (`#### N` or `\\boxed{}`) is right; flexible: the last number is (lm-eval's)."""
     pred = extract_answer(completion)
-    return {"pred": pred, "strict": answers_match(pred, example["answer"]),
-            "flexible": answers_match(extract_flexible(completion), example["answer"]),
-            "format": has_final_answer(completion)}
+    return {
+        "pred": pred,
+        "strict": answers_match(pred, example["answer"]),
+        "flexible": answers_match(extract_flexible(completion), example["answer"]),
+        "format": has_final_answer(completion),
+    }
+
 
 # format gets a small weight: a push towards the `####` line, which correctness needs first
 REWARDS, WEIGHTS = {"correct": correctness_reward, "format": format_reward}, {"correct": 1.0, "format": 0.1}
 TASKS = {  # each task its own dicts: editing one task's weights leaves the others
     "gsm8k": Task(load_gsm8k, partial(chat_prompt, SYSTEM_PROMPT), dict(REWARDS), dict(WEIGHTS), score),
     "arith": Task(load_arith, partial(chat_prompt, ARITH_SYSTEM_PROMPT), dict(REWARDS), dict(WEIGHTS), score),
-    "arith_steps": Task(_steps("load_arith_steps"), _steps("prompt"), dict(REWARDS), dict(WEIGHTS), score,
-                        _steps("arith_step_rewards")),
-    "arith_tool": Task(partial(load_arith, digits=3, ops="*"), tool_prompt, {**REWARDS, "tool": tool_reward},
-                       {**WEIGHTS, "tool": 0.2}, score, tools=calculator),  # a call that ran: worth a little
-    "arith_mul": Task(partial(load_arith, digits=3, ops="*"), partial(chat_prompt, MUL_SYSTEM_PROMPT), dict(REWARDS),
-                      dict(WEIGHTS), score),
+    "arith_steps": Task(
+        _steps("load_arith_steps"), _steps("prompt"), dict(REWARDS), dict(WEIGHTS), score, _steps("arith_step_rewards")
+    ),
+    "arith_tool": Task(
+        partial(load_arith, digits=3, ops="*"),
+        tool_prompt,
+        {**REWARDS, "tool": tool_reward},
+        {**WEIGHTS, "tool": 0.2},
+        score,
+        tools=calculator,
+    ),  # a call that ran: worth a little
+    "arith_mul": Task(
+        partial(load_arith, digits=3, ops="*"),
+        partial(chat_prompt, MUL_SYSTEM_PROMPT),
+        dict(REWARDS),
+        dict(WEIGHTS),
+        score,
+    ),
 }
+
 
 def pass_at_k(n, c, k):
     """Unbiased pass@k of one problem with c of n samples correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021,
     arXiv 2107.03374, eq. 1), as the product 1 - prod_{i=n-c+1}^{n} (1 - k/i): no huge binomials."""
     return 1.0 if n - c < k else 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
+
 @torch.no_grad()
-def evaluate(model, tokenizer, task, examples, max_new_tokens=256, batch_size=32, n=1, temperature=1.0,
-             seed=0, progress=True, dtype=None, env=None):
+def evaluate(
+    model,
+    tokenizer,
+    task,
+    examples,
+    max_new_tokens=256,
+    batch_size=32,
+    n=1,
+    temperature=1.0,
+    seed=0,
+    progress=True,
+    dtype=None,
+    env=None,
+):
     """Score `examples` -> (summary, one record per example); n=1 is greedy, n>1 samples n completions
     each (mean accuracies, pass@k). dtype: sampling's compute dtype. progress: a bar on stderr. A task with
     tools runs them (env: a tools.ToolEnv, else one with its defaults): the rate of samples that called one too."""
@@ -194,25 +264,42 @@ def evaluate(model, tokenizer, task, examples, max_new_tokens=256, batch_size=32
     per_batch, records, correct = max(1, batch_size // n), [], []  # correct: how many of an example's n are right
     with tqdm(total=len(examples), desc="eval", unit="problem", disable=not progress, leave=False) as bar:
         for i in range(0, len(examples), per_batch):
-            batch = examples[i:i + per_batch]
-            r = sample(model, tokenizer, [task.prompt(ex) for ex in batch], n, max_new_tokens, stops,
-                       temperature=temperature if n > 1 else 0.0, generator=generator, dtype=dtype, env=env)
+            batch = examples[i : i + per_batch]
+            r = sample(
+                model,
+                tokenizer,
+                [task.prompt(ex) for ex in batch],
+                n,
+                max_new_tokens,
+                stops,
+                temperature=temperature if n > 1 else 0.0,
+                generator=generator,
+                dtype=dtype,
+                env=env,
+            )
             calls = r.tool_calls.view(len(batch), n).float().cpu()  # (B, n)
             calls, called = calls.mean(1).tolist(), (calls > 0).float().mean(1).tolist()  # (B,) each: per sample
             for j, ex in enumerate(batch):
-                outs = r.completions[j * n:(j + 1) * n]
+                outs = r.completions[j * n : (j + 1) * n]
                 scores = [task.score(c, ex) for c in outs]
                 correct.append(sum(bool(s["strict"]) for s in scores))
-                records.append({"question": ex["question"], "gold": ex["answer"], "completion": outs[0],
-                                "pred": scores[0]["pred"], "correct": scores[0]["strict"],
-                                **{k: sum(s[k] for s in scores) / n for k in ("strict", "flexible", "format")},
-                                **({"completions": outs} if n > 1 else {}),
-                                **({"tool_calls": calls[j], "called": called[j]} if env is not None else {})})
+                records.append(
+                    {
+                        "question": ex["question"],
+                        "gold": ex["answer"],
+                        "completion": outs[0],
+                        "pred": scores[0]["pred"],
+                        "correct": scores[0]["strict"],
+                        **{k: sum(s[k] for s in scores) / n for k in ("strict", "flexible", "format")},
+                        **({"completions": outs} if n > 1 else {}),
+                        **({"tool_calls": calls[j], "called": called[j]} if env is not None else {}),
+                    }
+                )
             bar.update(len(batch))
     m, names = max(len(records), 1), {"strict": "strict_acc", "flexible": "flexible_acc", "format": "format_rate"}
     names.update({"called": "tool_call_rate", "tool_calls": "tool_calls"} if env is not None else {})
     summary = {"n_examples": len(records), **{name: sum(r[k] for r in records) / m for k, name in names.items()}}
     if n > 1:
-        ks = sorted({2 ** j for j in range(n.bit_length())} | {n})  # 1, 2, 4, ... up to n, and n
+        ks = sorted({2**j for j in range(n.bit_length())} | {n})  # 1, 2, 4, ... up to n, and n
         summary.update({f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / m for k in ks})
     return summary, records

@@ -22,8 +22,15 @@ import torch
 from transformers.utils import get_json_schema
 
 MAX_CHARS, MAX_DIGITS, MAX_EXPONENT = 200, 100, 64  # far beyond word-problem arithmetic; each op stays instant
-OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-       ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 MAX_RESULT_CHARS = 500  # a tool's reply costs tokens of the row's budget
 TAG_RE = re.compile(r"<(\w+)>(.*?)</\1>", re.S)
 MARK, DUMMY = "CALL", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "CALL"}]
@@ -31,6 +38,7 @@ MALFORMED = 'error: malformed call; write <tool_call>{"name": NAME, "arguments":
 
 # -----------------------------------------------------------------------------
 # the calculator
+
 
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression: numbers, + - * / // % ** and parentheses, e.g. "(3 + 4.5) * 2".
@@ -45,6 +53,7 @@ def calculator(expression: str) -> str:
     except SyntaxError:
         raise ValueError("not an arithmetic expression") from None
     return _format(_eval(tree.body))
+
 
 def _eval(node):
     """Python's arithmetic on int/float literals; every value is checked, every power bounded before it runs."""
@@ -66,12 +75,14 @@ def _eval(node):
     what = type(node.value if isinstance(node, ast.Constant) else getattr(node, "op", node)).__name__
     raise ValueError(f"only numbers, + - * / // % ** and parentheses are allowed, not {what}")
 
+
 def _checked(value):
     if isinstance(value, complex):  # a negative number to a fractional power
         raise ValueError("complex result")
-    if not abs(value) <= 10 ** MAX_DIGITS:  # also inf and nan
+    if not abs(value) <= 10**MAX_DIGITS:  # also inf and nan
         raise ValueError("result too large")
     return value
+
 
 def _format(value):
     """An int as is ("69104"); a float rounded to 6 decimals, as an int string when whole ("2.5", "5", "0.333333")."""
@@ -80,14 +91,17 @@ def _format(value):
     value = round(value, 6)
     return str(int(value)) if value.is_integer() and abs(value) < 1e15 else repr(value)
 
+
 # -----------------------------------------------------------------------------
 # the environment
+
 
 def _call(fn, args, kwargs, box):
     try:
         box.append((str(fn(*args, **kwargs))[:MAX_RESULT_CHARS], False))
     except Exception as e:  # the row reads the error and goes on
         box.append((f"error: {str(e) or type(e).__name__}"[:MAX_RESULT_CHARS], True))
+
 
 class ToolEnv:
     """Per-rollout tool environment: reset(N) before the decode loop, step(tok, done) once per step; after it
@@ -148,8 +162,10 @@ class ToolEnv:
             msg = {"role": "tool", "name": name or "", "content": result}
         suffix = self._after_mark(DUMMY + [msg], True)
         if not suffix.startswith(self._tail):
-            raise ValueError(f"this chat template ends an assistant turn with {self._tail!r} but writes "
-                             f"{suffix[:len(self._tail)]!r} there before a tool reply: a rollout cannot continue it")
+            raise ValueError(
+                f"this chat template ends an assistant turn with {self._tail!r} but writes "
+                f"{suffix[: len(self._tail)]!r} there before a tool reply: a rollout cannot continue it"
+            )
         return suffix
 
     def reset(self, n_rows):
@@ -211,7 +227,7 @@ class ToolEnv:
     def _calls(self, text):
         while (call := self._parse(text)) is not None:
             yield call
-            text = text[call[3]:]
+            text = text[call[3] :]
 
     def _run(self, calls):
         """Run calls at once (tools must be thread-safe), each in a daemon thread, joined up to one deadline ->
@@ -230,12 +246,15 @@ class ToolEnv:
         deadline = time.monotonic() + self.timeout
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        return [box[0] if box else (f"error: {call[0]} timed out after {self.timeout:g} s", True)
-                for call, box in zip(calls, boxes)]
+        return [
+            box[0] if box else (f"error: {call[0]} timed out after {self.timeout:g} s", True)
+            for call, box in zip(calls, boxes)
+        ]
 
     def _after_mark(self, messages, add_generation_prompt):
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  **self.template_kwargs)
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
+        )
         if MARK not in text:
             raise ValueError(f"this chat template drops an assistant message's content ({MARK!r}): no tool replies")
         return text.split(MARK, 1)[1]

@@ -66,18 +66,36 @@ g = p.add_argument_group("scale (scale.py)")
 g.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (peft); 0 = full fine-tuning")
 g.add_argument("--fsdp", action="store_true", help="under torchrun: shard weights, grads, AdamW states (FSDP2)")
 CONSTANTS = {  # knobs few would sweep: (default, range or choices); set in a config file or as --config name=value
-    "lr_schedule": ("constant", ("constant", "cosine")), "warmup_steps": (0, ">= 0"),  # cosine: to 10% of --lr
-    "weight_decay": (0.0, ">= 0"), "grad_clip": (1.0, ">= 0"),  # grad_clip 0: off
-    "is_cap": (2.0, "> 0"), "max_resample": (4, ">= 0"),  # --is-mode's cap (TIS: 2); --dynamic-sampling's extra
+    "lr_schedule": ("constant", ("constant", "cosine")),
+    "warmup_steps": (0, ">= 0"),  # cosine: to 10% of --lr
+    "weight_decay": (0.0, ">= 0"),
+    "grad_clip": (1.0, ">= 0"),  # grad_clip 0: off
+    "is_cap": (2.0, "> 0"),
+    "max_resample": (4, ">= 0"),  # --is-mode's cap (TIS: 2); --dynamic-sampling's extra
     "ref_sync_every": (0, ">= 0"),  # every N steps the reference becomes the policy (§4.2); 0 = never
-    "save_every": (50, ">= 0"), "log_completions": (10, ">= 0"),  # checkpoints (+ one at the end); samples shown
+    "save_every": (50, ">= 0"),
+    "log_completions": (10, ">= 0"),  # checkpoints (+ one at the end); samples shown
     "export": ("none", ("none", "model", "adapter")),  # OUT_DIR/hf at the end: a HF model (LoRA merged), adapters
     "log_to": ("none", ("none", "tensorboard", "wandb")),  # a tracker besides metrics.jsonl
-    "cispo_cap": (5.0, ">= 1"), "sapo_temperature_pos": (1.0, "> 0"), "sapo_temperature_neg": (1.05, "> 0"),
-    "max_tool_calls": (4, ">= 1")}  # a task with tools: a row's next call ends it (tools.py)
-RANGES = {"group_size": ">= 2", "prompts_per_step": ">= 1", "micro_batch": ">= 1", "max_new_tokens": ">= 1",
-          "temperature": "> 0", "steps": ">= 1", "mu": ">= 1", "lr": "> 0", "eps": "[0, 1)", "delta": "> 1",
-          "top_entropy_quantile": "(0, 1]", "seed": "[0, 9e18]"}  # any other number: >= 0
+    "cispo_cap": (5.0, ">= 1"),
+    "sapo_temperature_pos": (1.0, "> 0"),
+    "sapo_temperature_neg": (1.05, "> 0"),
+    "max_tool_calls": (4, ">= 1"),
+}  # a task with tools: a row's next call ends it (tools.py)
+RANGES = {
+    "group_size": ">= 2",
+    "prompts_per_step": ">= 1",
+    "micro_batch": ">= 1",
+    "max_new_tokens": ">= 1",
+    "temperature": "> 0",
+    "steps": ">= 1",
+    "mu": ">= 1",
+    "lr": "> 0",
+    "eps": "[0, 1)",
+    "delta": "> 1",
+    "top_entropy_quantile": "(0, 1]",
+    "seed": "[0, 9e18]",
+}  # any other number: >= 0
 args, ckpt, given = run.parse(p, RANGES, CONSTANTS)  # given: what a config file or a flag set
 run.exit_on_interrupt(partial(run.last_checkpoint, args.out_dir, args.steps))  # Ctrl-C / SIGTERM: one line
 
@@ -87,20 +105,29 @@ rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp el
 master, task, G, local_prompts = rank == 0, TASKS[args.task], args.group_size, args.prompts_per_step // world
 N = local_prompts * G  # completions per rank per step
 for bad, why in [  # one line each, before anything loads
-        (args.prompts_per_step % world, f"--prompts-per-step must be a multiple of the {world} processes"),
-        (N % args.micro_batch, f"--micro-batch {args.micro_batch} must divide the {N} completions per rank per step"),
-        (args.overlong_buffer > args.max_new_tokens,
-         f"--overlong-buffer {args.overlong_buffer} must be <= --max-new-tokens {args.max_new_tokens}"),
-        (args.supervision == "process" and (not task.step_rewards or task.tools),
-         f"--supervision process needs per-step rewards and no tools; task {args.task} does not fit"),
-        (args.fsdp and not ddp, "--fsdp shards over torchrun's processes: torchrun --nproc_per_node N train.py --fsdp"),
-        (args.fsdp and (args.lora_rank or args.ref_sync_every or args.ref_device or args.dtype == "float16"),
-         "--fsdp takes neither --lora-rank, ref_sync_every, --ref-device nor --dtype float16 (use bfloat16)"),
-        (args.lora_rank and (args.ref_sync_every or args.ref_device),
-         "--lora-rank: the reference is the base (adapters off); it takes no ref_sync_every, no --ref-device"),
-        (args.export == "adapter" and not args.lora_rank, "export = 'adapter' needs --lora-rank"),
-        (args.lora_rank and not importlib.util.find_spec("peft"), "--lora-rank needs peft: pip install peft"),
-        (args.log_to != "none" and not importlib.util.find_spec(args.log_to), f"log_to: pip install {args.log_to}")]:
+    (args.prompts_per_step % world, f"--prompts-per-step must be a multiple of the {world} processes"),
+    (N % args.micro_batch, f"--micro-batch {args.micro_batch} must divide the {N} completions per rank per step"),
+    (
+        args.overlong_buffer > args.max_new_tokens,
+        f"--overlong-buffer {args.overlong_buffer} must be <= --max-new-tokens {args.max_new_tokens}",
+    ),
+    (
+        args.supervision == "process" and (not task.step_rewards or task.tools),
+        f"--supervision process needs per-step rewards and no tools; task {args.task} does not fit",
+    ),
+    (args.fsdp and not ddp, "--fsdp shards over torchrun's processes: torchrun --nproc_per_node N train.py --fsdp"),
+    (
+        args.fsdp and (args.lora_rank or args.ref_sync_every or args.ref_device or args.dtype == "float16"),
+        "--fsdp takes neither --lora-rank, ref_sync_every, --ref-device nor --dtype float16 (use bfloat16)",
+    ),
+    (
+        args.lora_rank and (args.ref_sync_every or args.ref_device),
+        "--lora-rank: the reference is the base (adapters off); it takes no ref_sync_every, no --ref-device",
+    ),
+    (args.export == "adapter" and not args.lora_rank, "export = 'adapter' needs --lora-rank"),
+    (args.lora_rank and not importlib.util.find_spec("peft"), "--lora-rank needs peft: pip install peft"),
+    (args.log_to != "none" and not importlib.util.find_spec(args.log_to), f"log_to: pip install {args.log_to}"),
+]:
     if bad:
         p.error(why)
 notes = run.idle(args, given, task.tools is not None)  # what was set but changes nothing in this run
@@ -108,8 +135,10 @@ reward_fns, weights = dict(task.reward_fns), dict(task.reward_weights)
 if args.overlong_buffer:  # DAPO eq. 13 beside the task's rewards (weight 1 unless --reward-weights says)
     reward_fns["overlong"], weights["overlong"] = overlong_reward(args.max_new_tokens, args.overlong_buffer), 1.0
 try:
-    obj = grpo.Objective(**{f.name: getattr(args, f.name) for f in dataclasses.fields(grpo.Objective)
-                            if f.name != "max_len"}, max_len=args.max_new_tokens)
+    obj = grpo.Objective(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(grpo.Objective) if f.name != "max_len"},
+        max_len=args.max_new_tokens,
+    )
     weights.update(parse_weights(args.reward_weights, reward_fns))
     device = resolve_device(args.device, int(os.environ["LOCAL_RANK"]) if ddp else None)
     ref_device = resolve_device(args.ref_device) if args.ref_device else device
@@ -117,7 +146,7 @@ try:
     check_dtype(device, dtype)
     tokenizer = load_tokenizer(args.model)  # the model, data and out dir are checked before anything is created
     train_set = task.load("train", data_dir=args.data_dir)
-    test_set = task.load("test", data_dir=args.data_dir)[:args.eval_n] if master and args.eval_n else []
+    test_set = task.load("test", data_dir=args.data_dir)[: args.eval_n] if master and args.eval_n else []
 except ValueError as e:  # ModelError, DataError: what was named cannot be used
     p.error(str(e))
 if len(train_set) < args.prompts_per_step:
@@ -145,9 +174,19 @@ try:
     policy = load_model(args.model, home, torch.float32, matmul_dtype=dtype if args.lora_rank else None)  # fp32 master
     if args.lora_rank:  # the same adapters on every rank; the reference is the base, adapters off
         policy = scale.add_lora(policy, args.lora_rank, seed=args.seed)
-    ref = None if args.beta == 0 else policy if args.lora_rank else load_model(  # matmul weights as autocast casts
-        args.model, home if args.fsdp else ref_device, dtype if args.fsdp else torch.float32, trainable=False,
-        matmul_dtype=rdt)
+    ref = (
+        None
+        if args.beta == 0
+        else policy
+        if args.lora_rank
+        else load_model(  # matmul weights as autocast casts
+            args.model,
+            home if args.fsdp else ref_device,
+            dtype if args.fsdp else torch.float32,
+            trainable=False,
+            matmul_dtype=rdt,
+        )
+    )
     for m in [policy] + ([ref] if ref is not None else []) if args.fsdp else []:
         scale.shard(m, device, dtype)  # each decoder layer a unit, the root the rest (scale.py)
     if args.gradient_checkpointing:
@@ -167,13 +206,19 @@ if full_kl and ref_device != device:  # the full KL's reference head runs where 
     ref.set_output_embeddings(copy.deepcopy(ref.get_output_embeddings()).to(device))  # (untied: a copy)
 share = not why
 params = [q for q in policy.parameters() if q.requires_grad]
-optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay,
-                              fused=device.type in ("cpu", "cuda"))  # one kernel for all tensors
+optimizer = torch.optim.AdamW(
+    params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay, fused=device.type in ("cpu", "cuda")
+)  # one kernel for all tensors
+
 
 def lr_factor(u):  # a linear warmup, then constant or a cosine decay to 10% of --lr at the last update
     warm, T = min(1, (u + 1) / (args.warmup_steps + 1)), max(1, args.steps * args.mu - 1 - args.warmup_steps)
-    return warm if args.lr_schedule == "constant" else warm * (0.55 + 0.45 * math.cos(math.pi * min(1, max(
-        0, u - args.warmup_steps) / T)))
+    return (
+        warm
+        if args.lr_schedule == "constant"
+        else warm * (0.55 + 0.45 * math.cos(math.pi * min(1, max(0, u - args.warmup_steps) / T)))
+    )
+
 
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 needs loss scaling
@@ -183,6 +228,7 @@ if master:  # run.json, the resolved flags: the marker that out_dir holds a run 
     print(f"prompt sharing off: {why}; the log-prob passes run whole rows" if why else "prompt sharing: on")
     run.write_json(os.path.join(args.out_dir, "run.json"), {**vars(args), "eps_high": obj.eps_high})
 
+
 # --- helpers
 def collect(step):
     """This rank's batch -> (Rollout, examples, rewards (N,), keep (N,) bool, stats). A fixed shuffle per epoch and a
@@ -190,20 +236,43 @@ def collect(step):
     §3.2): max_resample rollouts of fresh prompts replace flat groups; a shortfall keeps some, with keep=False."""
     parts, (epoch, k) = [], divmod(step, len(train_set) // args.prompts_per_step)
     for attempt in range(1 + args.max_resample * args.dynamic_sampling):
-        order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(
-            args.seed + epoch if attempt == 0 else run.seed_of(args.seed, step, attempt)))
+        order = torch.randperm(
+            len(train_set),
+            generator=torch.Generator().manual_seed(
+                args.seed + epoch if attempt == 0 else run.seed_of(args.seed, step, attempt)
+            ),
+        )
         first = (0 if attempt else k * args.prompts_per_step) + rank * local_prompts
         slots = range(first, first + local_prompts)
-        exs, gens = [train_set[order[i]] for i in slots], [torch.Generator().manual_seed(run.seed_of(
-            args.seed, step, attempt, i)) for i in slots]
+        exs, gens = (
+            [train_set[order[i]] for i in slots],
+            [torch.Generator().manual_seed(run.seed_of(args.seed, step, attempt, i)) for i in slots],
+        )
         with gathered(policy):
-            r = rollout.sample(policy, tokenizer, [task.prompt(e) for e in exs], G, args.max_new_tokens, stops,
-                               args.temperature, gens, dtype, context - args.max_new_tokens, env)
+            r = rollout.sample(
+                policy,
+                tokenizer,
+                [task.prompt(e) for e in exs],
+                G,
+                args.max_new_tokens,
+                stops,
+                args.temperature,
+                gens,
+                dtype,
+                context - args.max_new_tokens,
+                env,
+            )
         fields = {f: [e[f] for e in exs for _ in range(G)] for f in exs[0]}  # each example's fields, G times
         try:
-            total, per_fn = combine_rewards(reward_fns, weights, r.completions, **fields,  # and per completion:
-                                            num_tokens=(r.completion_mask + r.env_mask.long()).sum(1).tolist(),
-                                            tool_calls=r.tool_calls.tolist(), tool_errors=r.tool_errors.tolist())
+            total, per_fn = combine_rewards(
+                reward_fns,
+                weights,
+                r.completions,
+                **fields,  # and per completion:
+                num_tokens=(r.completion_mask + r.env_mask.long()).sum(1).tolist(),
+                tool_calls=r.tool_calls.tolist(),
+                tool_errors=r.tool_errors.tolist(),
+            )
         except RewardError as e:
             sys.exit(f"error: step {step + 1}: {e}")
         parts.append((r, exs, torch.tensor(total), per_fn))
@@ -218,6 +287,7 @@ def collect(step):
     keep = grpo.informative_groups(rewards, G)[groups].repeat_interleave(G)  # (N,)
     stats.update(reward_sampled=rewards.mean(), kept_groups=keep.sum() / G, extra_rollouts=torch.tensor(len(parts) - 1))
     return rollout.concat([x[0] for x in parts])[rows], [exs[i] for i in groups.tolist()], rewards[rows], keep, stats
+
 
 def update(losses, step):
     """Average over ranks, clip, step -> (grad norm, lr used); a non-finite loss or gradient skips it on all ranks."""
@@ -242,12 +312,14 @@ def update(losses, step):
     scheduler.step()
     return norm, lr
 
+
 def run_eval(step):
     with gathered(policy):  # --fsdp: every rank gathers the weights, rank 0 evaluates
         if master and test_set:
             summary, _ = evaluate(policy, tokenizer, task, test_set, args.max_new_tokens, dtype=dtype, env=env)
             tqdm.write(f"eval step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in summary.items()))
             log.write({"step": step, **{f"eval/{k}": v for k, v in summary.items()}})
+
 
 # --- the loop
 log = run.MetricsLog(args.out_dir, args.log_to, vars(args), start_step) if master else None
@@ -262,20 +334,26 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     # 2. advantages: groups never span ranks, but the "batch" scale needs every rank's rewards
     all_rewards = scale.all_gather(rewards) if ddp else rewards  # (world*N,)
     adv, frac_zero = grpo.group_advantages(all_rewards, G, args.scale_rewards)
-    adv = adv[rank * N:(rank + 1) * N, None]  # (N, 1)
+    adv = adv[rank * N : (rank + 1) * N, None]  # (N, 1)
     if args.supervision == "process":  # per-token advantages (N, C) from the task's step rewards (§4.1.3)
         import steps  # the steps' token positions: imported only when asked
-        ends, values, smask = steps.step_positions(task.step_rewards, tokenizer, r.completion_ids,
-                                                   lengths - (~r.truncated).long(), r.completions, examples, G)
+
+        ends, values, smask = steps.step_positions(
+            task.step_rewards, tokenizer, r.completion_ids, lengths - (~r.truncated).long(), r.completions, examples, G
+        )
         adv, row["reward/step"] = grpo.process_advantages(values, ends, smask, G, C).to(device), values[smask].mean()
     loss_mask = r.completion_mask * keep[:, None] * (~r.truncated[:, None] if args.mask_truncated else 1)  # (N, C)
     num_tokens = run.all_reduce(loss_mask.sum().float()).clamp(min=1)  # per-rank shares of the batch's counts
     num_sequences = run.all_reduce(keep.sum().float())
     with ref_off():  # 3. the reference's log-probs (N, C) on its device (full KL: its hidden states, per micro-batch)
-        ref_out = None if ref is None else rollout.batch_logprobs(ref, r, args.micro_batch, args.temperature, share,
-                                                                  rdt, hidden=full_kl)
-    old_logp = rollout.batch_logprobs(policy, r, args.micro_batch, args.temperature, share, dtype) if args.mu > 1 \
-        else None  # the old policy's: the ratio's denominator when the batch is reused
+        ref_out = (
+            None
+            if ref is None
+            else rollout.batch_logprobs(ref, r, args.micro_batch, args.temperature, share, rdt, hidden=full_kl)
+        )
+    old_logp = (
+        rollout.batch_logprobs(policy, r, args.micro_batch, args.temperature, share, dtype) if args.mu > 1 else None
+    )  # the old policy's: the ratio's denominator when the batch is reused
     t2 = time.time()
     # 4. mu optimizer steps on this batch, each accumulating gradients over micro-batches
     stats, first_logp, skip = {}, torch.zeros(N, C, device=device), num_sequences.item() == 0
@@ -283,21 +361,31 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
         for j, (rows, ids, mask, c) in enumerate(rollout.micro_batches(r, args.micro_batch)):
             kl_ref = (ref.get_output_embeddings(), ref_out[j]) if full_kl else None  # the full KL's reference
             with autocast:  # entropy is always logged; it enters the loss only through --entropy-* flags
-                logp, entropy, kl = rollout.token_logprobs(policy, ids, mask, c, args.temperature, True, kl_ref,
-                                                           share)
+                logp, entropy, kl = rollout.token_logprobs(policy, ids, mask, c, args.temperature, True, kl_ref, share)
             m, old = loss_mask[rows, :c], None if old_logp is None else old_logp[rows, :c]
             # the sampler's numerics differ from the trainer's: reweight the policy term (truncated IS)
-            w, w_stats = grpo.behaviour_weights(logp.detach() if old is None else old, r.sample_logp[rows, :c], m,
-                                                args.is_mode, args.is_cap)
-            loss, metrics = grpo.grpo_loss(logp, old, None if ref is None or full_kl else ref_out[rows, :c],
-                                           adv[rows, :c].expand(-1, c), m, obj, entropy=entropy, kl=kl,
-                                           behaviour_weights=w, num_sequences=num_sequences, num_tokens=num_tokens)
+            w, w_stats = grpo.behaviour_weights(
+                logp.detach() if old is None else old, r.sample_logp[rows, :c], m, args.is_mode, args.is_cap
+            )
+            loss, metrics = grpo.grpo_loss(
+                logp,
+                old,
+                None if ref is None or full_kl else ref_out[rows, :c],
+                adv[rows, :c].expand(-1, c),
+                m,
+                obj,
+                entropy=entropy,
+                kl=kl,
+                behaviour_weights=w,
+                num_sequences=num_sequences,
+                num_tokens=num_tokens,
+            )
             scaler.scale(loss).backward()
             if it == 0:
                 first_logp[rows, :c], metrics["is_capped"] = logp.detach(), w_stats["is_capped"]
             for k, v in {**metrics, "loss": loss.detach()}.items():
                 stats.setdefault(k, []).append(v.float())
-        grad_norm, lr = update(stats["loss"][-(N // args.micro_batch):], step)
+        grad_norm, lr = update(stats["loss"][-(N // args.micro_batch) :], step)
     if skip:
         grad_norm, lr = torch.tensor(0.0), optimizer.param_groups[0]["lr"]
         tqdm.write(f"step {step + 1}: skipped, no group with a reward spread after {args.max_resample} resamples")
@@ -307,29 +395,50 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     # 5. metrics: per-rank values averaged over ranks (max / min for *_max / *_min); rank 0 writes
     if not skip:  # |sampling log-prob - training log-prob| of the first pass, over the whole batch
         row.update(grpo.behaviour_weights(first_logp, r.sample_logp, r.completion_mask, "none")[1])
-    row.update({k: max(v) if run.reduce_op(k) == "max" else min(v) if run.reduce_op(k) == "min" else sum(v) / len(v)
-                for k, v in stats.items()}, loss=sum(stats.get("loss", [0])) / args.mu, reward=rewards.mean(),
-               reward_std=all_rewards.std(), frac_zero_std=frac_zero, completion_len=lengths.float().mean(),
-               completion_len_max=lengths.max().float(), truncated=r.truncated.float().mean(), grad_norm=grad_norm,
-               prompt_cut=r.prompt_cut.float().mean(), prompt_len=r.prompt_mask.sum(1).float().mean(),
-               skipped=float(skip), gen_tok_s=lengths.sum().float() * world / (t1 - t0))
+    row.update(
+        {
+            k: max(v) if run.reduce_op(k) == "max" else min(v) if run.reduce_op(k) == "min" else sum(v) / len(v)
+            for k, v in stats.items()
+        },
+        loss=sum(stats.get("loss", [0])) / args.mu,
+        reward=rewards.mean(),
+        reward_std=all_rewards.std(),
+        frac_zero_std=frac_zero,
+        completion_len=lengths.float().mean(),
+        completion_len_max=lengths.max().float(),
+        truncated=r.truncated.float().mean(),
+        grad_norm=grad_norm,
+        prompt_cut=r.prompt_cut.float().mean(),
+        prompt_len=r.prompt_mask.sum(1).float().mean(),
+        skipped=float(skip),
+        gen_tok_s=lengths.sum().float() * world / (t1 - t0),
+    )
     if env is not None:  # per row: tool calls, the ones that got an error, tokens of the replies, the model's turns
-        row.update(tool_calls=r.tool_calls.float().mean(), tool_errors=r.tool_errors.float().mean(),
-                   env_tokens=r.env_mask.sum(1).float().mean(), turns=1 + r.tool_calls.float().mean())
-    row = {k: run.all_reduce(torch.as_tensor(v, dtype=torch.float32, device=device).detach(), run.reduce_op(k)).item()
-           for k, v in row.items()}
+        row.update(
+            tool_calls=r.tool_calls.float().mean(),
+            tool_errors=r.tool_errors.float().mean(),
+            env_tokens=r.env_mask.sum(1).float().mean(),
+            turns=1 + r.tool_calls.float().mean(),
+        )
+    row = {
+        k: run.all_reduce(torch.as_tensor(v, dtype=torch.float32, device=device).detach(), run.reduce_op(k)).item()
+        for k, v in row.items()
+    }
     row.update(step=step + 1, lr=lr, t_generate=t1 - t0, t_reference=t2 - t1, t_train=t3 - t2, t_step=t3 - t0)
     if master:
         log.write(row)
-        tqdm.write(f"step {step + 1}: reward {row['reward']:.3f} loss {row['loss']:.4f} kl {row.get('kl', 0):.4f} "
-                   f"len {row['completion_len']:.0f} gen {t1 - t0:.1f}s ref {t2 - t1:.1f}s train {t3 - t2:.1f}s")
+        tqdm.write(
+            f"step {step + 1}: reward {row['reward']:.3f} loss {row['loss']:.4f} kl {row.get('kl', 0):.4f} "
+            f"len {row['completion_len']:.0f} gen {t1 - t0:.1f}s ref {t2 - t1:.1f}s train {t3 - t2:.1f}s"
+        )
         if args.log_completions and (step + 1) % args.log_completions == 0:
             tqdm.write(f"--- reward {rewards[0]:.2f}, gold {examples[0]['answer']}:\n{r.completions[0]}\n---")
     if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
         run_eval(step + 1)
     if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-        save_failed = run.save_run(args.out_dir, step + 1, vars(args), policy, optimizer, scheduler, scaler,
-                                   saved_ref, rank, world)
+        save_failed = run.save_run(
+            args.out_dir, step + 1, vars(args), policy, optimizer, scheduler, scaler, saved_ref, rank, world
+        )
         if save_failed:
             tqdm.write(f"warning: step {step + 1}: {save_failed}")
 
@@ -338,8 +447,10 @@ run_eval(args.steps)
 state = scale.full_state_dict(policy) if args.fsdp and args.export != "none" else None  # every rank gathers
 if master and args.export != "none":  # last: a LoRA policy is merged into its base in place
     from eval import export_hf
-    export_failed = export_hf(policy, tokenizer, os.path.join(args.out_dir, "hf"), dtype, args.export == "adapter",
-                              state)
+
+    export_failed = export_hf(
+        policy, tokenizer, os.path.join(args.out_dir, "hf"), dtype, args.export == "adapter", state
+    )
     print(f"warning: {export_failed}" if export_failed else f"exported ({args.export}) to {args.out_dir}/hf")
 if master:
     log.close()

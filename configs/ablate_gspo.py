@@ -2,5 +2,5 @@
 importance_level = "sequence"
 eps = 3e-4
 eps_high = 4e-4
-mu = 2                    # the ratio is only != 1 when the batch is reused
+mu = 2  # the ratio is only != 1 when the batch is reused
 out_dir = "out/ablate_gspo"

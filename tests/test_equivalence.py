@@ -30,8 +30,16 @@ V, PAD = 61, 0
 def tiny_model(seed):
     """init_std 0.3, well above HF's 0.02: log-probs far from uniform, so a wrong position or mask shows."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.3)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+    )
     return LlamaForCausalLM(cfg).float()
 
 
@@ -47,19 +55,28 @@ def make_rollout(G=4, n_prompts=2, P=7, C=9):
     completion_mask = (torch.arange(C)[None] < comp_len[:, None]).long()
     prompt_ids = prompt_ids.masked_fill(prompt_mask == 0, PAD)
     completion_ids = completion_ids.masked_fill(completion_mask == 0, PAD)
-    return Rollout(prompt_ids, prompt_mask, completion_ids, completion_mask, comp_len == C, [""] * N,
-                   torch.zeros(N, C), torch.zeros(N, dtype=torch.bool), torch.zeros(N, C, dtype=torch.bool),
-                   *torch.zeros(2, N, dtype=torch.long))
+    return Rollout(
+        prompt_ids,
+        prompt_mask,
+        completion_ids,
+        completion_mask,
+        comp_len == C,
+        [""] * N,
+        torch.zeros(N, C),
+        torch.zeros(N, dtype=torch.bool),
+        torch.zeros(N, C, dtype=torch.bool),
+        *torch.zeros(2, N, dtype=torch.long),
+    )
 
 
 def naive_loss(policy, ref, r, adv, beta, eps, temperature):
     ids, mask = r.input_ids, r.attention_mask
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     C = r.completion_ids.size(1)
-    logits = policy(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1:-1] / temperature
+    logits = policy(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1 : -1] / temperature
     logp = logits.log_softmax(-1).gather(-1, ids[:, -C:, None]).squeeze(-1)
     with torch.no_grad():
-        ref_logits = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1:-1] / temperature
+        ref_logits = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1 : -1] / temperature
         ref_logp = ref_logits.log_softmax(-1).gather(-1, ids[:, -C:, None]).squeeze(-1)
     ratio = torch.exp(logp - logp.detach())
     surrogate = torch.min(ratio * adv[:, None], ratio.clamp(1 - eps, 1 + eps) * adv[:, None])
@@ -104,7 +121,7 @@ def test_micro_batches_trim_only_unused_columns():
     assert got[0][1].shape == (4, 16) and got[0][3] == 9
     # group 2: 3 all-pad prompt columns dropped, longest completion 6
     assert got[1][1].shape == (4, 4 + 6) and got[1][3] == 6
-    assert torch.equal(got[1][1], r.input_ids[4:, 3:7 + 6])
+    assert torch.equal(got[1][1], r.input_ids[4:, 3 : 7 + 6])
 
 
 def test_shared_prompts_handle_a_single_completion_column():

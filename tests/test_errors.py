@@ -67,13 +67,14 @@ def without(argv, *flags):
     for flag in flags:
         if flag in argv:
             i = argv.index(flag)
-            del argv[i:i + 2]
+            del argv[i : i + 2]
     return argv
 
 
 def forbid_model_load(monkeypatch):
     def forbidden(*a, **k):
         raise AssertionError("the model was loaded before the flags were checked")
+
     monkeypatch.setattr(models, "load_model", forbidden)
     monkeypatch.setattr(models, "load_tokenizer", forbidden)
 
@@ -98,8 +99,12 @@ def files(root, skip=(".lock",)):
 
 def leftovers(out):
     """Temp files and folders a write in progress leaves: *.tmp, .hf.* (export_hf's temp folder)."""
-    return sorted(os.path.relpath(os.path.join(d, n), out) for d, dirs, names in os.walk(out)
-                  for n in dirs + names if n.endswith(".tmp") or n.startswith(".hf."))
+    return sorted(
+        os.path.relpath(os.path.join(d, n), out)
+        for d, dirs, names in os.walk(out)
+        for n in dirs + names
+        if n.endswith(".tmp") or n.startswith(".hf.")
+    )
 
 
 def ckpt_step(out):
@@ -110,31 +115,36 @@ def mentions(line, value, out):
     """`value` appears in line as a word of its own, out-dir paths aside (a tmp path may hold digits)."""
     return re.search(rf"(?<![\w.-]){re.escape(str(value))}(?!\w|\.\d)", line.replace(str(out), "")) is not None
 
+
 # -----------------------------------------------------------------------------
 # numeric flags: type and range, before the model loads
 
 
-@pytest.mark.parametrize("flag, value, message", [
-    ("--temperature", 0, "--temperature must be > 0, got 0.0"),
-    ("--temperature", -1, "--temperature must be > 0, got -1.0"),
-    ("--eps", -0.1, "--eps must be [0, 1), got -0.1"),
-    ("--beta", -1, "--beta must be >= 0, got -1.0"),
-    ("--eval-n", -1, "--eval-n must be >= 0, got -1"),
-    ("--lr", 0, "--lr must be > 0, got 0.0"),
-    ("--lr", -1, "--lr must be > 0, got -1.0"),
-    ("--lr", "nan", "--lr must be a finite number, got nan"),
-    ("--lr", "inf", "--lr must be a finite number, got inf"),
-    ("--max-new-tokens", 0, "--max-new-tokens must be >= 1, got 0"),
-    ("--micro-batch", 0, "--micro-batch must be >= 1, got 0"),
-    ("--prompts-per-step", 0, "--prompts-per-step must be >= 1, got 0"),
-    ("--prompts-per-step", -2, "--prompts-per-step must be >= 1, got -2"),
-    ("--group-size", 1, "--group-size must be >= 2, got 1"),
-    ("--mu", 0, "--mu must be >= 1, got 0"),
-    ("--steps", 0, "--steps must be >= 1, got 0"),
-    ("--overlong-buffer", -1, "--overlong-buffer must be >= 0, got -1"),
-    ("--delta", 1.1, "--delta 1.1 must be > 1 + eps_high = 1.2"),
-    ("--lr", "fast", "argument --lr: invalid float value: 'fast'"),
-], ids=lambda x: str(x))
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--temperature", 0, "--temperature must be > 0, got 0.0"),
+        ("--temperature", -1, "--temperature must be > 0, got -1.0"),
+        ("--eps", -0.1, "--eps must be [0, 1), got -0.1"),
+        ("--beta", -1, "--beta must be >= 0, got -1.0"),
+        ("--eval-n", -1, "--eval-n must be >= 0, got -1"),
+        ("--lr", 0, "--lr must be > 0, got 0.0"),
+        ("--lr", -1, "--lr must be > 0, got -1.0"),
+        ("--lr", "nan", "--lr must be a finite number, got nan"),
+        ("--lr", "inf", "--lr must be a finite number, got inf"),
+        ("--max-new-tokens", 0, "--max-new-tokens must be >= 1, got 0"),
+        ("--micro-batch", 0, "--micro-batch must be >= 1, got 0"),
+        ("--prompts-per-step", 0, "--prompts-per-step must be >= 1, got 0"),
+        ("--prompts-per-step", -2, "--prompts-per-step must be >= 1, got -2"),
+        ("--group-size", 1, "--group-size must be >= 2, got 1"),
+        ("--mu", 0, "--mu must be >= 1, got 0"),
+        ("--steps", 0, "--steps must be >= 1, got 0"),
+        ("--overlong-buffer", -1, "--overlong-buffer must be >= 0, got -1"),
+        ("--delta", 1.1, "--delta 1.1 must be > 1 + eps_high = 1.2"),
+        ("--lr", "fast", "argument --lr: invalid float value: 'fast'"),
+    ],
+    ids=lambda x: str(x),
+)
 def test_bad_flag_is_refused_before_the_model_loads(model_dir, tmp_path, capsys, no_model_load, flag, value, message):
     out = tmp_path / "out"
     code, line = script_error(TRAIN, without(train_args(model_dir, str(out), steps=1), flag) + [flag, value], capsys)
@@ -142,24 +152,29 @@ def test_bad_flag_is_refused_before_the_model_loads(model_dir, tmp_path, capsys,
     assert not (out / "metrics.jsonl").exists()  # nothing ran, not even a first rollout
 
 
-@pytest.mark.parametrize("line, message", [
-    ("lr = None", "--lr needs a value, got None"),
-    ("group_size = 2.0", "--group-size must be an integer, got 2.0"),
-    ("temperature = 'hot'", "argument --temperature: invalid float value: 'hot'"),  # argparse converts str defaults
-    ("lr = float('nan')", "the value of 'lr' must be a literal"),
-    ("lr = 1e999", "--lr must be a finite number, got inf"),
-    ("mask_truncated = 1", "--mask-truncated must be True or False, got 1"),
-    ("steps = True", "--steps must be an integer, got True"),
-    ("steps = 0", "--steps must be >= 1, got 0"),
-], ids=["lr-None", "group_size-float", "temperature-str", "nan-call", "inf", "bool-int", "int-bool", "range"])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("lr = None", "--lr needs a value, got None"),
+        ("group_size = 2.0", "--group-size must be an integer, got 2.0"),
+        ("temperature = 'hot'", "argument --temperature: invalid float value: 'hot'"),  # argparse converts str defaults
+        ("lr = float('nan')", "the value of 'lr' must be a literal"),
+        ("lr = 1e999", "--lr must be a finite number, got inf"),
+        ("mask_truncated = 1", "--mask-truncated must be True or False, got 1"),
+        ("steps = True", "--steps must be an integer, got True"),
+        ("steps = 0", "--steps must be >= 1, got 0"),
+    ],
+    ids=["lr-None", "group_size-float", "temperature-str", "nan-call", "inf", "bool-int", "int-bool", "range"],
+)
 def test_config_value_of_the_wrong_type_is_refused(model_dir, tmp_path, capsys, no_model_load, line, message):
     """Config values reach argparse as defaults: a string is converted as on the command line, anything else
     is not, so the check must see the type as well as the range."""
     cfg = tmp_path / "cfg.py"
     cfg.write_text(line + "\n")
     flag = "--" + line.split("=")[0].strip().replace("_", "-")
-    code, err = script_error(TRAIN, ["--config", cfg, *without(train_args(model_dir, str(tmp_path / "o")), flag)],
-                             capsys)
+    code, err = script_error(
+        TRAIN, ["--config", cfg, *without(train_args(model_dir, str(tmp_path / "o")), flag)], capsys
+    )
     assert_one_line(code, err, 2, message)
 
 
@@ -188,8 +203,9 @@ CONFIG_ONLY = [
 
 @pytest.mark.parametrize("source", ["file", "inline"])
 @pytest.mark.parametrize("key, value, fragments", CONFIG_ONLY, ids=lambda x: str(x))
-def test_bad_config_only_value_is_one_line_before_the_model_loads(model_dir, tmp_path, capsys, no_model_load, source,
-                                                                  key, value, fragments):
+def test_bad_config_only_value_is_one_line_before_the_model_loads(
+    model_dir, tmp_path, capsys, no_model_load, source, key, value, fragments
+):
     """`--config key=value` reads value as a Python literal, else as a plain string: `is_cap=high` is 'high'."""
     cfg = tmp_path / "cfg.py"
     cfg.write_text(f"{key} = {value!r}\n")
@@ -213,10 +229,21 @@ def test_inline_config_value_that_is_no_literal_is_a_plain_string(model_dir, tmp
     assert json.load(open(out / "run.json"))["model"] == model_dir
 
 
-@pytest.mark.parametrize("flag, value", [
-    ("--top-p", 0.9), ("--save-every", 1), ("--log-completions", 1), ("--lr-schedule", "cosine"), ("--export", "none"),
-    ("--warmup-steps", 2), ("--log-to", "tensorboard"), ("--max-tool-calls", 2), ("--cispo-cap", 3.0),
-], ids=lambda x: str(x))
+@pytest.mark.parametrize(
+    "flag, value",
+    [
+        ("--top-p", 0.9),
+        ("--save-every", 1),
+        ("--log-completions", 1),
+        ("--lr-schedule", "cosine"),
+        ("--export", "none"),
+        ("--warmup-steps", 2),
+        ("--log-to", "tensorboard"),
+        ("--max-tool-calls", 2),
+        ("--cispo-cap", 3.0),
+    ],
+    ids=lambda x: str(x),
+)
 def test_config_only_keys_are_not_flags(model_dir, tmp_path, capsys, no_model_load, flag, value):
     """A config key is set in a config file or as --config name=value; as a flag it is one line."""
     code, line = script_error(TRAIN, train_args(model_dir, str(tmp_path), flag, value), capsys)
@@ -232,6 +259,7 @@ def test_resume_named_in_a_config_file_is_honoured(model_dir, tmp_path):
     assert g["start_step"] == 2 and g["args"].out_dir == out
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3]
     assert ckpt_step(out) == 3
+
 
 # -----------------------------------------------------------------------------
 # rewards: weights on the command line, reward functions that fail
@@ -256,21 +284,30 @@ def failing_on_step_2(kind):
         if kind == "nan":
             return [math.nan] * len(completions)
         return [0.5] * (len(completions) - 1)
+
     return broken
 
 
 def with_reward(monkeypatch, name, fn):
     """Register task `toy_<name>`: the toy task plus reward fn `name` (weight 1) -> its --task value."""
-    monkeypatch.setitem(tasks.TASKS, f"toy_{name}", toy.TASK._replace(
-        reward_fns={**toy.TASK.reward_fns, name: fn}, reward_weights={**toy.TASK.reward_weights, name: 1.0}))
+    monkeypatch.setitem(
+        tasks.TASKS,
+        f"toy_{name}",
+        toy.TASK._replace(
+            reward_fns={**toy.TASK.reward_fns, name: fn}, reward_weights={**toy.TASK.reward_weights, name: 1.0}
+        ),
+    )
     return f"toy_{name}"
 
 
-@pytest.mark.parametrize("kind, fragments", [
-    ("raises", ["reward 'broken' raised ZeroDivisionError: division by zero on completion 0"]),
-    ("nan", ["reward 'broken' gave nan", "completion 0"]),
-    ("count", ["reward 'broken' returned 7 values for 8 completions"]),
-])
+@pytest.mark.parametrize(
+    "kind, fragments",
+    [
+        ("raises", ["reward 'broken' raised ZeroDivisionError: division by zero on completion 0"]),
+        ("nan", ["reward 'broken' gave nan", "completion 0"]),
+        ("count", ["reward 'broken' returned 7 values for 8 completions"]),
+    ],
+)
 def test_reward_fn_that_fails_names_itself_and_exits_1(model_dir, tmp_path, capsys, monkeypatch, kind, fragments):
     task = with_reward(monkeypatch, "broken", failing_on_step_2(kind))
     argv = without(train_args(model_dir, str(tmp_path), steps=3), "--task") + ["--task", task]
@@ -281,17 +318,22 @@ def test_reward_fn_that_fails_names_itself_and_exits_1(model_dir, tmp_path, caps
     assert [r["step"] for r in rows] == [1]
 
 
-@pytest.mark.parametrize("make", [
-    lambda n: {0: 1.0, 1: 1.0},
-    lambda n: "11",
-    lambda n: {i: 1.0 for i in range(n)},  # as many keys as completions: iterating it would give 0..n-1
-    lambda n: "1" * n,  # as many characters as completions: iterating it would give n floats of 1.0
-], ids=["dict", "str", "dict-of-n", "str-of-n"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda n: {0: 1.0, 1: 1.0},
+        lambda n: "11",
+        lambda n: {i: 1.0 for i in range(n)},  # as many keys as completions: iterating it would give 0..n-1
+        lambda n: "1" * n,  # as many characters as completions: iterating it would give n floats of 1.0
+    ],
+    ids=["dict", "str", "dict-of-n", "str-of-n"],
+)
 def test_reward_fn_that_returns_no_list_names_itself_and_exits_1(model_dir, tmp_path, capsys, monkeypatch, make):
     task = with_reward(monkeypatch, "weird", lambda completions, **_: make(len(completions)))
     argv = without(train_args(model_dir, str(tmp_path), steps=1), "--task") + ["--task", task]
     code, line = script_error(TRAIN, argv, capsys)
     assert_one_line(code, line, 1, "'weird'")
+
 
 # -----------------------------------------------------------------------------
 # data
@@ -301,13 +343,17 @@ def gsm8k_line(question="What is 2 + 3?", answer="2 + 3 = 5\n#### 5"):
     return json.dumps({"question": question, "answer": answer}) + "\n"
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"", "no examples in {train}"),
-    (b"\n  \n\t\n", "no examples in {train}"),
-    (gsm8k_line().encode() + b'{"question": "caf\xe9", "answer": "#### 1"}\n', "{train}:2: byte 0xe9 is not UTF-8"),
-    (gsm8k_line().encode() + gsm8k_line(answer="2 + 3 = 5\n####  ").encode(), "{train}:2: nothing after '####'"),
-    (gsm8k_line().encode(), "the train split has 1 examples, fewer than --prompts-per-step 2"),
-], ids=["empty", "blank-only", "non-utf8", "empty-gold", "too-short"])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "no examples in {train}"),
+        (b"\n  \n\t\n", "no examples in {train}"),
+        (gsm8k_line().encode() + b'{"question": "caf\xe9", "answer": "#### 1"}\n', "{train}:2: byte 0xe9 is not UTF-8"),
+        (gsm8k_line().encode() + gsm8k_line(answer="2 + 3 = 5\n####  ").encode(), "{train}:2: nothing after '####'"),
+        (gsm8k_line().encode(), "the train split has 1 examples, fewer than --prompts-per-step 2"),
+    ],
+    ids=["empty", "blank-only", "non-utf8", "empty-gold", "too-short"],
+)
 def test_bad_gsm8k_file_is_one_line(model_dir, tmp_path, capsys, content, message):
     data = tmp_path / "gsm8k"
     data.mkdir()
@@ -316,6 +362,7 @@ def test_bad_gsm8k_file_is_one_line(model_dir, tmp_path, capsys, content, messag
     argv = without(train_args(model_dir, str(tmp_path / "out")), "--task") + ["--task", "gsm8k", "--data-dir", data]
     code, line = script_error(TRAIN, argv, capsys)
     assert_one_line(code, line, 2, message.format(train=data / "train.jsonl"))
+
 
 # -----------------------------------------------------------------------------
 # models
@@ -333,12 +380,16 @@ def fake_gguf(model_dir, tmp_path):
     return str(tmp_path / "x.gguf")
 
 
-@pytest.mark.parametrize("make, extra, fragments", [
-    (corrupt_weights, [], ["could not load model '{model}'"]),
-    (fake_gguf, [], ["cannot read {model} as a GGUF model"]),
-    (lambda d, t: str(t / "no" / "such" / "model"), [], ["could not load model '{model}'"]),
-    (lambda d, t: d, ["--max-new-tokens", 600], ["--max-new-tokens 600", "512"]),  # the model's context
-], ids=["corrupt-safetensors", "not-gguf", "missing", "max-new-tokens>context"])
+@pytest.mark.parametrize(
+    "make, extra, fragments",
+    [
+        (corrupt_weights, [], ["could not load model '{model}'"]),
+        (fake_gguf, [], ["cannot read {model} as a GGUF model"]),
+        (lambda d, t: str(t / "no" / "such" / "model"), [], ["could not load model '{model}'"]),
+        (lambda d, t: d, ["--max-new-tokens", 600], ["--max-new-tokens 600", "512"]),  # the model's context
+    ],
+    ids=["corrupt-safetensors", "not-gguf", "missing", "max-new-tokens>context"],
+)
 def test_bad_model_is_one_line(model_dir, tmp_path, capsys, monkeypatch, make, extra, fragments):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(models, "CACHE_DIR", str(tmp_path / "cache"))  # a GGUF conversion would land here
@@ -348,14 +399,19 @@ def test_bad_model_is_one_line(model_dir, tmp_path, capsys, monkeypatch, make, e
     assert_one_line(code, line, 2, *(f.format(model=model) for f in fragments))
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
+
 # -----------------------------------------------------------------------------
 # flags that need a package or a task feature
 
 
-@pytest.mark.parametrize("extra, fragments", [
-    (["--supervision", "process"], ["--supervision process needs per-step rewards and no tools; task toy"]),
-    (["--overlong-buffer", 13], ["--overlong-buffer", "<= --max-new-tokens 12"]),
-], ids=["process-without-step-rewards", "overlong-buffer>max-new"])
+@pytest.mark.parametrize(
+    "extra, fragments",
+    [
+        (["--supervision", "process"], ["--supervision process needs per-step rewards and no tools; task toy"]),
+        (["--overlong-buffer", 13], ["--overlong-buffer", "<= --max-new-tokens 12"]),
+    ],
+    ids=["process-without-step-rewards", "overlong-buffer>max-new"],
+)
 def test_flag_the_task_cannot_honour_is_one_line(model_dir, tmp_path, capsys, no_model_load, extra, fragments):
     code, line = script_error(TRAIN, train_args(model_dir, str(tmp_path), *extra), capsys)
     assert_one_line(code, line, 2, *fragments)
@@ -363,10 +419,12 @@ def test_flag_the_task_cannot_honour_is_one_line(model_dir, tmp_path, capsys, no
 
 def test_log_to_wandb_without_wandb_names_the_install(model_dir, tmp_path, capsys, no_model_load):
     import importlib.util
+
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here")
     code, line = script_error(TRAIN, train_args(model_dir, str(tmp_path), "--config", "log_to=wandb"), capsys)
     assert_one_line(code, line, 2, "log_to", "pip install wandb")
+
 
 # -----------------------------------------------------------------------------
 # the out dir: a run owns its directory (run.json says so) and nothing else
@@ -379,8 +437,9 @@ def test_a_new_run_into_a_missing_or_empty_dir_writes_run_json_first(model_dir, 
     if where == "lock-only":
         (tmp_path / ".lock").write_text("")
     seen, real_sample = [], rollout.sample
-    monkeypatch.setattr(rollout, "sample", lambda *a, **k: seen.append((out / "run.json").exists()) or
-                        real_sample(*a, **k))
+    monkeypatch.setattr(
+        rollout, "sample", lambda *a, **k: seen.append((out / "run.json").exists()) or real_sample(*a, **k)
+    )
     run_script(TRAIN, train_args(model_dir, str(out), steps=1))
     assert seen and seen[0], "run.json was not there when the first rollout began"
     flags = json.load(open(out / "run.json"))
@@ -427,8 +486,9 @@ def test_overwrite_removes_only_what_a_run_writes(model_dir, tmp_path):
         os.makedirs(os.path.dirname(os.path.join(out, name)), exist_ok=True)
         with open(os.path.join(out, name), "wb") as f:
             f.write(content)
-    run_script(TRAIN, train_args(model_dir, out, "--overwrite", "--config", "save_every=0", "--config", "export=none",
-                                 steps=1))
+    run_script(
+        TRAIN, train_args(model_dir, out, "--overwrite", "--config", "save_every=0", "--config", "export=none", steps=1)
+    )
     after = files(out)
     assert {k: after.get(k) for k in mine} == mine  # the user's files, byte for byte
     for gone in ("ckpt.pt", "ckpt.pt.tmp", "dcp-7", "hf", "tensorboard"):  # the old run's, all of them
@@ -454,6 +514,7 @@ def test_an_hf_folder_the_run_did_not_export_is_never_replaced(model_dir, tmp_pa
 def test_a_second_run_on_a_dir_in_use_is_refused_at_once(model_dir, tmp_path, capsys, second):
     """The first run holds an flock on OUT/.lock for its lifetime; holding it here is the same, deterministic."""
     import fcntl
+
     out = str(tmp_path)
     run_script(TRAIN, train_args(model_dir, out, steps=1))
     before = files(out)
@@ -461,6 +522,7 @@ def test_a_second_run_on_a_dir_in_use_is_refused_at_once(model_dir, tmp_path, ca
 
     def waited(*_):
         pytest.fail("train.py waited for the lock instead of refusing at once")
+
     with open(os.path.join(out, ".lock"), "a") as held:
         try:
             fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -529,6 +591,7 @@ def test_resume_drops_a_torn_last_line_and_blank_lines_of_the_metrics(model_dir,
     run_script(TRAIN, ["--resume", out, "--steps", 4])
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]  # every line JSON, each step once
 
+
 # -----------------------------------------------------------------------------
 # interruptions: Ctrl-C, SIGTERM, a kill mid-save, a failed export
 
@@ -547,6 +610,7 @@ def raise_on_call(real, n, error):
         if len(calls) == n:
             toy.fail(error)
         return real(*a, **k)
+
     return wrapped
 
 
@@ -583,6 +647,7 @@ def tokenizer_that_cannot_save(monkeypatch, error):
         tok = real(*a, **k)
         tok.save_pretrained = raise_on_call(tok.save_pretrained, 1, error)
         return tok
+
     monkeypatch.setattr(models, "load_tokenizer", load)
 
 
@@ -610,8 +675,13 @@ def test_a_signal_mid_run_ends_in_one_line_and_the_run_resumes(model_dir, tmp_pa
     out = str(tmp_path / "run")
     argv = train_args(model_dir, out, "--config", "save_every=1", steps=500)
     with open(tmp_path / "stderr", "w") as err_file:
-        proc = subprocess.Popen([sys.executable, TOY_TRAIN, *map(str, argv)], cwd=REPO, env=subprocess_env(),
-                                stdout=subprocess.DEVNULL, stderr=err_file)
+        proc = subprocess.Popen(
+            [sys.executable, TOY_TRAIN, *map(str, argv)],
+            cwd=REPO,
+            env=subprocess_env(),
+            stdout=subprocess.DEVNULL,
+            stderr=err_file,
+        )
         try:
             deadline = time.time() + 300
             while not os.path.exists(os.path.join(out, "ckpt.pt")):
@@ -630,6 +700,7 @@ def test_a_signal_mid_run_ends_in_one_line_and_the_run_resumes(model_dir, tmp_pa
     step = ckpt_step(out)
     run_script(TRAIN, ["--resume", out, "--steps", step + 1])
     assert [r["step"] for r in read_metrics(out)] == list(range(1, step + 2))
+
 
 # -----------------------------------------------------------------------------
 # a full disk while saving
@@ -650,8 +721,16 @@ def test_disk_full_keeps_the_last_good_checkpoint_and_ends_in_one_line(model_dir
     assert "Traceback" not in printed.err
     warnings = [x for x in printed.out.splitlines() if x.startswith("warning: step")]
     assert [w.split(":")[1] for w in warnings] == [" step 2", " step 3"], warnings
-    assert_one_line(1, e.value.code, 1, "the last checkpoint was not written", f"{out}/ckpt.pt",
-                    "No space left on device", f"make room in {out}")
+    assert_one_line(
+        1,
+        e.value.code,
+        1,
+        "the last checkpoint was not written",
+        f"{out}/ckpt.pt",
+        "No space left on device",
+        f"make room in {out}",
+    )
+
 
 # -----------------------------------------------------------------------------
 # prompts longer than the context leaves them
@@ -661,6 +740,7 @@ def test_long_prompts_keep_their_last_tokens_and_are_counted(model_dir, tmp_path
     """A model with a context of 16 and --max-new-tokens 12: each prompt keeps its last 16 - 12 = 4 tokens."""
     import inspect
     from transformers import AutoModelForCausalLM
+
     short = str(tmp_path / "short")
     shutil.copytree(model_dir, short)
     m = AutoModelForCausalLM.from_pretrained(short)
@@ -668,8 +748,9 @@ def test_long_prompts_keep_their_last_tokens_and_are_counted(model_dir, tmp_path
     m.save_pretrained(short)
     seen, real_sample = [], rollout.sample
     bind = inspect.signature(real_sample).bind
-    monkeypatch.setattr(rollout, "sample", lambda *a, **k: seen.append((bind(*a, **k).arguments,
-                                                                         real_sample(*a, **k))) or seen[-1][1])
+    monkeypatch.setattr(
+        rollout, "sample", lambda *a, **k: seen.append((bind(*a, **k).arguments, real_sample(*a, **k))) or seen[-1][1]
+    )
     g = run_script(TRAIN, train_args(short, str(tmp_path / "out"), steps=1))
     assert read_metrics(str(tmp_path / "out"))[0]["prompt_cut"] == 1.0  # every toy prompt is 8 tokens
     [(called, r)] = seen
@@ -686,13 +767,27 @@ def test_prompts_within_the_limit_are_not_cut(model_dir, tmp_path):
     run_script(TRAIN, train_args(model_dir, str(tmp_path), steps=1))  # the context 512 leaves 500 for a prompt
     assert read_metrics(str(tmp_path))[0]["prompt_cut"] == 0.0
 
+
 # -----------------------------------------------------------------------------
 # eval.py: no predictions file, whole or partial, unless the evaluation finished and was written whole
 
 
 def eval_args(model_dir, *extra):
-    return ["--task", "toy", "--model", model_dir, "--limit", 2, "--max-new-tokens", 4, "--device", "cpu",
-            "--dtype", "float32", *extra]
+    return [
+        "--task",
+        "toy",
+        "--model",
+        model_dir,
+        "--limit",
+        2,
+        "--max-new-tokens",
+        4,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        *extra,
+    ]
 
 
 def test_eval_out_into_a_new_folder_is_created_before_evaluating(model_dir, tmp_path):
@@ -703,17 +798,29 @@ def test_eval_out_into_a_new_folder_is_created_before_evaluating(model_dir, tmp_
     assert not os.path.exists(str(out) + ".tmp")
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--out", "{tmp}"], "--out {tmp} is a directory; pass a file path such as {tmp}/predictions.jsonl"),
-    (["--out", "{tmp}/afile/preds.jsonl"], "--out {tmp}/afile/preds.jsonl cannot be written"),
-    (["--max-new-tokens", 0], "--max-new-tokens must be >= 1, got 0"),
-    (["--n", 0], "--n must be >= 1, got 0"),
-    (["--limit", 0], "--limit must be >= 1, got 0"),
-    (["--batch-size", 0], "--batch-size must be >= 1, got 0"),
-    (["--temperature", -1], "--temperature must be > 0, got -1.0"),
-    (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
-], ids=["out-is-a-dir", "out-under-a-file", "max-new-tokens", "n", "limit", "batch-size", "temperature",
-        "temperature-nan"])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--out", "{tmp}"], "--out {tmp} is a directory; pass a file path such as {tmp}/predictions.jsonl"),
+        (["--out", "{tmp}/afile/preds.jsonl"], "--out {tmp}/afile/preds.jsonl cannot be written"),
+        (["--max-new-tokens", 0], "--max-new-tokens must be >= 1, got 0"),
+        (["--n", 0], "--n must be >= 1, got 0"),
+        (["--limit", 0], "--limit must be >= 1, got 0"),
+        (["--batch-size", 0], "--batch-size must be >= 1, got 0"),
+        (["--temperature", -1], "--temperature must be > 0, got -1.0"),
+        (["--temperature", "nan"], "--temperature must be a finite number, got nan"),
+    ],
+    ids=[
+        "out-is-a-dir",
+        "out-under-a-file",
+        "max-new-tokens",
+        "n",
+        "limit",
+        "batch-size",
+        "temperature",
+        "temperature-nan",
+    ],
+)
 def test_eval_bad_input_is_one_line_before_evaluating(model_dir, tmp_path, capsys, no_model_load, extra, message):
     # no_model_load rather than a patched eval.evaluate: runpy runs a fresh copy of eval.py's functions,
     # and a model that never loads is earlier still than an evaluation that never starts
@@ -729,7 +836,9 @@ def fail_in_sample(error):
     def patch(monkeypatch):  # the evaluation's first batch raises `error` (tasks.evaluate calls its own `sample`)
         def raise_(*a, **k):
             toy.fail(error)
+
         monkeypatch.setattr(tasks, "sample", raise_)
+
     return patch
 
 
@@ -742,8 +851,10 @@ def fail_while_writing(error):
                 toy.fail(error)
             dumps.lines += isinstance(obj, dict) and "question" in obj
             return real(obj, *a, **k)
+
         dumps.lines = 0
         monkeypatch.setattr(json, "dumps", dumps)
+
     return patch
 
 
@@ -754,18 +865,31 @@ def fail_at_rename(monkeypatch):  # the temp file is whole; renaming it into pla
         if str(dst).endswith("preds.jsonl"):
             raise OSError(errno.ENOSPC, "No space left")
         return real(src, dst)
+
     monkeypatch.setattr(os, "replace", replace)
 
 
-@pytest.mark.parametrize("patch, code, message", [
-    (fail_in_sample(RuntimeError("a bug, not a user mistake")), None, None),
-    (fail_in_sample(signal.SIGINT), 130, "error: interrupted; no predictions written"),
-    (fail_while_writing(signal.SIGINT), 130, "error: interrupted; no predictions written"),
-    (fail_while_writing(OSError(errno.ENOSPC, "No space left on device")), 1,
-     "error: could not write the predictions to {out} (No space left on device)"),
-    (fail_at_rename, 1, "error: could not write the predictions to {out} (No space left)"),
-], ids=["bug-in-sampling", "ctrl-c-in-sampling", "ctrl-c-while-writing", "disk-full-while-writing",
-        "disk-full-at-rename"])
+@pytest.mark.parametrize(
+    "patch, code, message",
+    [
+        (fail_in_sample(RuntimeError("a bug, not a user mistake")), None, None),
+        (fail_in_sample(signal.SIGINT), 130, "error: interrupted; no predictions written"),
+        (fail_while_writing(signal.SIGINT), 130, "error: interrupted; no predictions written"),
+        (
+            fail_while_writing(OSError(errno.ENOSPC, "No space left on device")),
+            1,
+            "error: could not write the predictions to {out} (No space left on device)",
+        ),
+        (fail_at_rename, 1, "error: could not write the predictions to {out} (No space left)"),
+    ],
+    ids=[
+        "bug-in-sampling",
+        "ctrl-c-in-sampling",
+        "ctrl-c-while-writing",
+        "disk-full-while-writing",
+        "disk-full-at-rename",
+    ],
+)
 def test_eval_leaves_no_file_on_any_failure(model_dir, tmp_path, capsys, monkeypatch, patch, code, message):
     out = tmp_path / "sub" / "preds.jsonl"
     patch(monkeypatch)
@@ -777,8 +901,9 @@ def test_eval_leaves_no_file_on_any_failure(model_dir, tmp_path, capsys, monkeyp
     assert files(tmp_path) == {}  # no preds.jsonl, no preds.jsonl.tmp
 
 
-@pytest.mark.parametrize("what, fragment", [("missing", "no checkpoint at"),
-                                            ("corrupt", "not a checkpoint train.py wrote")])
+@pytest.mark.parametrize(
+    "what, fragment", [("missing", "no checkpoint at"), ("corrupt", "not a checkpoint train.py wrote")]
+)
 def test_eval_bad_checkpoint_is_one_line_and_leaves_nothing(tmp_path, capsys, what, fragment):
     if what == "corrupt":
         (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint")
@@ -786,6 +911,7 @@ def test_eval_bad_checkpoint_is_one_line_and_leaves_nothing(tmp_path, capsys, wh
     code, line = script_error(EVAL, ["--task", "toy", "--ckpt", path, "--device", "cpu"], capsys)
     assert_one_line(code, line, 2, "eval.py: error: ", fragment)
     assert list(files(tmp_path)) == (["ckpt.pt"] if what == "corrupt" else [])
+
 
 # -----------------------------------------------------------------------------
 # eval.py --plot
@@ -797,8 +923,11 @@ def write_run(path, rows, tail=""):
     return str(path)
 
 
-ROWS = [{"step": 0, "reward": 0.1, "kl": 0.0}, {"step": 1, "reward": 0.3, "kl": 0.01},
-        {"step": 1, "eval/strict_acc": 0.2}]
+ROWS = [
+    {"step": 0, "reward": 0.1, "kl": 0.0},
+    {"step": 1, "reward": 0.3, "kl": 0.01},
+    {"step": 1, "eval/strict_acc": 0.2},
+]
 
 
 @pytest.mark.parametrize("smooth", [0, -2])
@@ -830,8 +959,10 @@ def test_plot_a_key_no_run_has_names_the_keys_they_have(tmp_path, capsys, flag):
     pytest.importorskip("matplotlib")
     a, b = write_run(tmp_path / "a", ROWS), write_run(tmp_path / "b", [{"step": 0, "reward/correct": 1.0}])
     code, line = script_error(PLOT, ["--plot", a, b, flag, "rewrd", "--out", tmp_path / "c.png"], capsys)
-    assert (code, line) == (1, f"error: {flag} rewrd: no run logged it; the runs have eval/strict_acc, kl, reward, "
-                               "reward/correct")
+    assert (code, line) == (
+        1,
+        f"error: {flag} rewrd: no run logged it; the runs have eval/strict_acc, kl, reward, reward/correct",
+    )
     assert not (tmp_path / "c.png").exists()
 
 
@@ -840,8 +971,10 @@ def test_plot_a_run_without_rows(tmp_path, capsys, content):
     pytest.importorskip("matplotlib")
     a, b = write_run(tmp_path / "a", ROWS), write_run(tmp_path / "b", [], content)
     code, line = script_error(PLOT, ["--plot", a, b, "--out", tmp_path / "c.png"], capsys)
-    assert (code, line) == (1, f"error: {b}/metrics.jsonl has no metrics rows (empty, or the run has not logged a "
-                               "step); nothing plotted")
+    assert (code, line) == (
+        1,
+        f"error: {b}/metrics.jsonl has no metrics rows (empty, or the run has not logged a step); nothing plotted",
+    )
     assert not (tmp_path / "c.png").exists()
 
 
@@ -867,14 +1000,21 @@ def test_plot_without_matplotlib_says_how_to_install_it(tmp_path, capsys, monkey
     code, line = script_error(PLOT, ["--plot", run, "--out", tmp_path / "c.png"], capsys)
     assert (code, line) == (1, "error: plotting needs matplotlib: pip install matplotlib")
 
+
 # -----------------------------------------------------------------------------
 # in a fresh interpreter: the exit code and stderr a user sees
 
 
 @pytest.mark.slow
 def test_usage_error_in_a_fresh_process_exits_2_without_a_traceback(model_dir, tmp_path):
-    proc = subprocess.run([sys.executable, TOY_TRAIN, *map(str, train_args(model_dir, str(tmp_path), "--lr", "nan"))],
-                          cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, TOY_TRAIN, *map(str, train_args(model_dir, str(tmp_path), "--lr", "nan"))],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "train.py: error: --lr must be a finite number, got nan"
@@ -883,8 +1023,14 @@ def test_usage_error_in_a_fresh_process_exits_2_without_a_traceback(model_dir, t
 @pytest.mark.slow
 def test_unknown_inline_config_key_in_a_fresh_process_exits_2(model_dir, tmp_path):
     argv = train_args(model_dir, str(tmp_path / "out"), "--config", "lr_scheule=cosine")
-    proc = subprocess.run([sys.executable, TOY_TRAIN, *map(str, argv)], cwd=REPO, env=subprocess_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, TOY_TRAIN, *map(str, argv)],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     line = proc.stderr.strip().splitlines()[-1]
     assert "error:" in line and "lr_scheule" in line, line
@@ -908,22 +1054,50 @@ runpy.run_path({train!r}, run_name="__main__")
 @pytest.mark.slow
 def test_failed_run_in_a_fresh_process_exits_1_without_a_traceback(model_dir, tmp_path):
     code = RUN_WITH_BROKEN_REWARD.format(repo=REPO, tests=os.path.join(REPO, "tests"), train=TRAIN)
-    proc = subprocess.run([sys.executable, "-c", code, *map(str, train_args(model_dir, str(tmp_path)))], cwd=REPO,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *map(str, train_args(model_dir, str(tmp_path)))],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1].startswith(
-        "error: step 1: reward 'broken' raised KeyError: 'gold' on completion 0 ")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: step 1: reward 'broken' raised KeyError: 'gold' on completion 0 ")
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["INT", "TERM"])
 def test_eval_real_signal_in_a_fresh_process(model_dir, tmp_path, sig, code):
     out = tmp_path / "preds.jsonl"
-    argv = ["--task", "arith", "--model", model_dir, "--n", 4, "--max-new-tokens", 64, "--device", "cpu",
-            "--dtype", "float32", "--out", out]  # 200 problems, a minute of work: it cannot finish first
-    proc = subprocess.Popen([sys.executable, EVAL, *map(str, argv)], cwd=REPO, env=subprocess_env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    argv = [
+        "--task",
+        "arith",
+        "--model",
+        model_dir,
+        "--n",
+        4,
+        "--max-new-tokens",
+        64,
+        "--device",
+        "cpu",
+        "--dtype",
+        "float32",
+        "--out",
+        out,
+    ]  # 200 problems, a minute of work: it cannot finish first
+    proc = subprocess.Popen(
+        [sys.executable, EVAL, *map(str, argv)],
+        cwd=REPO,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     try:
         err = b""
         while not re.search(rb"eval: .* [1-9]\d*/200 ", err):  # the bar has moved: inside the evaluation

@@ -54,8 +54,9 @@ def test_greedy_summary_is_the_mean_of_task_scores():
 def test_sampled_pass_at_n_is_any_correct():
     model, tok, task = toy.make_model(), toy.make_tokenizer(), toy.TASK
     examples = task.load("test")[:8]
-    summary, records = evaluate(model, tok, task, examples, max_new_tokens=6, batch_size=8, n=4,
-                                temperature=1.0, seed=1, progress=False)
+    summary, records = evaluate(
+        model, tok, task, examples, max_new_tokens=6, batch_size=8, n=4, temperature=1.0, seed=1, progress=False
+    )
     assert all(len(r["completions"]) == 4 and r["completion"] == r["completions"][0] for r in records)
     strict = [[task.score(c, ex)["strict"] for c in r["completions"]] for r, ex in zip(records, examples)]
     assert summary["pass@4"] == pytest.approx(mean([float(any(s)) for s in strict]))  # pass@n: any is right
@@ -63,8 +64,9 @@ def test_sampled_pass_at_n_is_any_correct():
     assert summary["pass@1"] == pytest.approx(summary["strict_acc"])  # pass@1 is the mean accuracy
     assert summary["pass@2"] == pytest.approx(mean([float(brute_pass_at_k(s, 2)) for s in strict]))
     assert summary["strict_acc"] < summary["pass@4"]  # some question is solved by some sample, not all
-    again, _ = evaluate(model, tok, task, examples, max_new_tokens=6, batch_size=8, n=4, temperature=1.0,
-                        seed=1, progress=False)
+    again, _ = evaluate(
+        model, tok, task, examples, max_new_tokens=6, batch_size=8, n=4, temperature=1.0, seed=1, progress=False
+    )
     assert again == summary  # seeded
 
 
@@ -87,8 +89,10 @@ def test_pass_at_k_is_the_fraction_of_k_subsets_with_a_correct_sample():
 
 def stub_sample(correct, calls):
     """rollout.sample for toy prompts: example q's first correct[q] of n completions are right (toy.score)."""
-    def sample(model, tokenizer, prompts, n, max_new_tokens, stops, temperature=1.0, generator=None, dtype=None,
-               env=None):
+
+    def sample(
+        model, tokenizer, prompts, n, max_new_tokens, stops, temperature=1.0, generator=None, dtype=None, env=None
+    ):
         calls.append((len(prompts), n, temperature))
         outs = []
         for msgs in prompts:
@@ -96,21 +100,32 @@ def stub_sample(correct, calls):
             right, wrong = ("w2", "w1") if toy.score("w2", {"answer": ANSWERS[q]})["strict"] else ("w1", "w2")
             outs += [right if i < correct[q] else wrong for i in range(n)]
         return SimpleNamespace(completions=outs, tool_calls=torch.zeros(len(outs), dtype=torch.long))
+
     return sample
 
 
 ANSWERS = {ex["question"]: ex["answer"] for ex in toy.load("test")}
 
 
-@pytest.mark.parametrize("n, counts, ks", [(6, [0, 1, 3, 6, 2], [1, 2, 4, 6]), (4, [0, 1, 2, 4, 3], [1, 2, 4]),
-                                           (3, [0, 3, 1, 2, 2], [1, 2, 3])])
+@pytest.mark.parametrize(
+    "n, counts, ks",
+    [(6, [0, 1, 3, 6, 2], [1, 2, 4, 6]), (4, [0, 1, 2, 4, 3], [1, 2, 4]), (3, [0, 3, 1, 2, 2], [1, 2, 3])],
+)
 def test_evaluate_reports_pass_at_k_for_powers_of_two_and_n(monkeypatch, n, counts, ks):
-    examples = toy.load("test")[:len(counts)]
+    examples = toy.load("test")[: len(counts)]
     correct = {ex["question"]: c for ex, c in zip(examples, counts)}
     calls = []
     monkeypatch.setattr(tasks, "sample", stub_sample(correct, calls))
-    summary, records = evaluate(toy.make_model(), toy.make_tokenizer(), toy.TASK, examples, n=n, batch_size=2 * n,
-                                temperature=0.7, progress=False)
+    summary, records = evaluate(
+        toy.make_model(),
+        toy.make_tokenizer(),
+        toy.TASK,
+        examples,
+        n=n,
+        batch_size=2 * n,
+        temperature=0.7,
+        progress=False,
+    )
     assert calls == [(2, n, 0.7), (2, n, 0.7), (1, n, 0.7)]  # batch_size counts completions: 2 prompts a call
     assert [k for k in summary if k.startswith("pass@")] == [f"pass@{k}" for k in ks]
     for k in ks:
@@ -132,8 +147,25 @@ def test_progress_bar_goes_to_stderr_and_counts_problems(monkeypatch, capsys):
 
 def test_cli_writes_one_prediction_per_example(model_dir, tmp_path, capsys):
     out = tmp_path / "p.jsonl"
-    run_script(EVAL, ["--task", "arith", "--model", model_dir, "--limit", 4, "--max-new-tokens", 8,
-                      "--dtype", "float32", "--device", "cpu", "--out", out])
+    run_script(
+        EVAL,
+        [
+            "--task",
+            "arith",
+            "--model",
+            model_dir,
+            "--limit",
+            4,
+            "--max-new-tokens",
+            8,
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--out",
+            out,
+        ],
+    )
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 4
     assert all({"question", "gold", "completion", "pred", "correct"} <= set(r) for r in rows)
@@ -142,8 +174,23 @@ def test_cli_writes_one_prediction_per_example(model_dir, tmp_path, capsys):
 
 
 def test_cli_ckpt_evaluates_the_trained_weights(trained, model_dir, capsys):
-    run_script(EVAL, ["--task", "toy", "--ckpt", trained, "--limit", 3, "--max-new-tokens", 6,
-                      "--dtype", "float32", "--device", "cpu"])
+    run_script(
+        EVAL,
+        [
+            "--task",
+            "toy",
+            "--ckpt",
+            trained,
+            "--limit",
+            3,
+            "--max-new-tokens",
+            6,
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+        ],
+    )
     out = os.path.join(trained, "predictions_toy_test.jsonl")  # beside the checkpoint by default
     assert len(open(out).read().splitlines()) == 3
     assert out in capsys.readouterr().out
@@ -155,8 +202,9 @@ def test_cli_ckpt_evaluates_the_trained_weights(trained, model_dir, capsys):
         assert torch.equal(v, saved[k]) and not torch.equal(v, init[k]), k
 
 
-@pytest.mark.parametrize("what, message", [("missing", "no checkpoint at"),
-                                           ("corrupt", "not a checkpoint train.py wrote")])
+@pytest.mark.parametrize(
+    "what, message", [("missing", "no checkpoint at"), ("corrupt", "not a checkpoint train.py wrote")]
+)
 def test_cli_bad_ckpt_is_a_one_line_error(tmp_path, capsys, what, message):
     if what == "corrupt":
         (tmp_path / "ckpt.pt").write_bytes(b"not a checkpoint")

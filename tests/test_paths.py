@@ -32,6 +32,7 @@ def write_metrics(path, rewards):
         f.writelines(json.dumps({"step": i + 1, "reward": r}) + "\n" for i, r in enumerate(rewards))
     return path
 
+
 # -----------------------------------------------------------------------------
 # ~ and $VARS
 
@@ -42,7 +43,7 @@ def test_train_expands_user_paths_on_the_command_line_and_in_config_files(model_
     os.makedirs(tmp_path / "home")
     (tmp_path / "home" / "base.py").write_text('out_dir = "$RUNS/from_config"\n')
     argv = [a for a in train_args(model_dir, "unused", steps=1)]
-    argv[argv.index("--out-dir"):argv.index("--out-dir") + 2] = []
+    argv[argv.index("--out-dir") : argv.index("--out-dir") + 2] = []
     run_script(TRAIN, argv + ["--config", "~/base.py"])  # the config file by ~, its out_dir by $RUNS
     assert os.path.isfile(tmp_path / "runs" / "from_config" / "run.json")
     run_script(TRAIN, argv + ["--out-dir", "~/flag"])
@@ -54,12 +55,14 @@ def test_train_expands_user_paths_on_the_command_line_and_in_config_files(model_
 def test_eval_and_plot_expand_user_paths(a_run, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("RUN", a_run)
-    run_script(EVAL, ["--ckpt", "$RUN", "--task", "toy", "--limit", 2, "--max-new-tokens", 4,
-                      "--out", "~/preds/p.jsonl"])
+    run_script(
+        EVAL, ["--ckpt", "$RUN", "--task", "toy", "--limit", 2, "--max-new-tokens", 4, "--out", "~/preds/p.jsonl"]
+    )
     assert len(open(tmp_path / "preds" / "p.jsonl").readlines()) == 2
     pytest.importorskip("matplotlib", reason="pip install -r requirements-extra.txt")
     run_script(PLOT, ["--plot", "$RUN", "--out", "~/plots/c.png"])
     assert os.path.getsize(tmp_path / "plots" / "c.png") > 0
+
 
 # -----------------------------------------------------------------------------
 # what a tool writes by default replaces nothing
@@ -91,11 +94,12 @@ def test_train_default_out_dir_never_replaces_what_it_did_not_write(model_dir, t
     os.makedirs("out/run")
     open("out/run/notes.txt", "w").write("mine")
     argv = [a for a in train_args(model_dir, "x", steps=1)]
-    argv[argv.index("--out-dir"):argv.index("--out-dir") + 2] = []  # the default, out/run
+    argv[argv.index("--out-dir") : argv.index("--out-dir") + 2] = []  # the default, out/run
     code, line = error_of(TRAIN, argv, capsys)
     assert code == 2 and "holds files that are not a run's (notes.txt)" in line, line
     code, line = error_of(TRAIN, argv + ["--overwrite"], capsys)  # not even with --overwrite
     assert code == 2 and open("out/run/notes.txt").read() == "mine" and tree("out") == ["run", "run/notes.txt"]
+
 
 # -----------------------------------------------------------------------------
 # a path that must exist is checked before anything is created
@@ -103,17 +107,22 @@ def test_train_default_out_dir_never_replaces_what_it_did_not_write(model_dir, t
 
 def test_a_missing_input_creates_nothing(model_dir, tmp_path, capsys):
     new = tmp_path / "new"
-    code, line = error_of(TRAIN, train_args(model_dir, str(new / "run"), "--task", "gsm8k", "--data-dir",
-                                            str(tmp_path / "no_data"), steps=1), capsys)
+    code, line = error_of(
+        TRAIN,
+        train_args(model_dir, str(new / "run"), "--task", "gsm8k", "--data-dir", str(tmp_path / "no_data"), steps=1),
+        capsys,
+    )
     assert code == 2 and "GSM8K file not found" in line, line
     code, line = error_of(TRAIN, train_args(str(tmp_path / "no_model"), str(new / "run"), steps=1), capsys)
     assert code == 2 and "could not load model" in line, line
-    code, line = error_of(EVAL, ["--ckpt", str(tmp_path / "no_run"), "--task", "toy", "--out", str(new / "p.jsonl")],
-                          capsys)
+    code, line = error_of(
+        EVAL, ["--ckpt", str(tmp_path / "no_run"), "--task", "toy", "--out", str(new / "p.jsonl")], capsys
+    )
     assert code == 2 and "no checkpoint at" in line, line
     code, line = error_of(PLOT, ["--plot", str(tmp_path / "no_run"), "--out", str(new / "c.png")], capsys)
     assert code == 1 and "no metrics.jsonl" in line, line
     assert not new.exists()
+
 
 # -----------------------------------------------------------------------------
 # two inputs with the same base name stay apart
@@ -122,6 +131,7 @@ def test_a_missing_input_creates_nothing(model_dir, tmp_path, capsys):
 def test_plot_keeps_runs_of_one_name_apart_and_refuses_one_run_twice(tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib", reason="pip install -r requirements-extra.txt")
     from matplotlib.axes import Axes
+
     a = write_metrics(str(tmp_path / "a" / "seed0"), [0.1, 0.2])
     b = write_metrics(str(tmp_path / "b" / "seed0"), [0.5, 0.6])
     labels, real = [], Axes.plot
@@ -129,6 +139,7 @@ def test_plot_keeps_runs_of_one_name_apart_and_refuses_one_run_twice(tmp_path, c
     def plot(self, *args, **kw):
         labels.append(kw.get("label"))
         return real(self, *args, **kw)
+
     monkeypatch.setattr(Axes, "plot", plot)
     run_script(PLOT, ["--plot", a, b, "--out", str(tmp_path / "c.png")])
     assert labels == [a, b]  # both curves, each named by its whole path
@@ -144,8 +155,11 @@ def test_eval_keeps_two_models_of_one_name_apart(model_dir, tmp_path, monkeypatc
             os.symlink(os.path.join(model_dir, name), f"{d}/model/{name}")
     for d in ("a", "b"):
         run_script(EVAL, ["--model", f"{d}/model", "--task", "toy", "--limit", 1, "--max-new-tokens", 4])
-    assert sorted(f for f in os.listdir() if f.startswith("predictions")) == ["predictions-1.jsonl",
-                                                                              "predictions.jsonl"]
+    assert sorted(f for f in os.listdir() if f.startswith("predictions")) == [
+        "predictions-1.jsonl",
+        "predictions.jsonl",
+    ]
+
 
 # -----------------------------------------------------------------------------
 # integer flags: the range the code below them takes
@@ -162,24 +176,37 @@ def test_a_seed_beyond_what_torch_takes_is_one_line(model_dir, tmp_path, capsys,
     assert tree(tmp_path) == []
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--n", 0], "--n must be >= 1"), (["--batch-size", 0], "--batch-size must be >= 1"),
-    (["--limit", -1], "--limit must be >= 1"), (["--max-new-tokens", 0], "--max-new-tokens must be >= 1")])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--n", 0], "--n must be >= 1"),
+        (["--batch-size", 0], "--batch-size must be >= 1"),
+        (["--limit", -1], "--limit must be >= 1"),
+        (["--max-new-tokens", 0], "--max-new-tokens must be >= 1"),
+    ],
+)
 def test_eval_integer_ranges(model_dir, capsys, argv, message):
     code, line = error_of(EVAL, ["--model", model_dir, "--task", "toy", *argv], capsys)
     assert code == 2 and message in line, line
+
 
 # -----------------------------------------------------------------------------
 # a flag with no effect in the combination given
 
 
-@pytest.mark.parametrize("extra, note", [
-    (["--eval-every", 1], "note: eval_every has no effect in this run (--eval-n 0)"),
-    (["--is-mode", "none", "--config", "is_cap=3"], "note: is_cap has no effect in this run (--is-mode none)"),
-    (["--beta", 0, "--kl-estimator", "k1"], "note: kl_estimator has no effect in this run (--beta 0: no reference)"),
-    (["--config", "max_tool_calls=2"], "note: max_tool_calls has no effect in this run (task toy has no tools)"),
-    (["--config", "cispo_cap=3"], "note: cispo_cap has no effect in this run (not --loss-type cispo)"),
-])
+@pytest.mark.parametrize(
+    "extra, note",
+    [
+        (["--eval-every", 1], "note: eval_every has no effect in this run (--eval-n 0)"),
+        (["--is-mode", "none", "--config", "is_cap=3"], "note: is_cap has no effect in this run (--is-mode none)"),
+        (
+            ["--beta", 0, "--kl-estimator", "k1"],
+            "note: kl_estimator has no effect in this run (--beta 0: no reference)",
+        ),
+        (["--config", "max_tool_calls=2"], "note: max_tool_calls has no effect in this run (task toy has no tools)"),
+        (["--config", "cispo_cap=3"], "note: cispo_cap has no effect in this run (not --loss-type cispo)"),
+    ],
+)
 def test_train_names_a_value_that_changes_nothing(model_dir, tmp_path, capsys, extra, note):
     capsys.readouterr()
     run_script(TRAIN, train_args(model_dir, str(tmp_path), *extra, steps=1))
@@ -206,8 +233,23 @@ def test_a_data_dir_for_a_task_that_reads_none_is_refused(model_dir, tmp_path, c
 
 def test_eval_names_or_refuses_what_has_no_effect(model_dir, a_run, tmp_path, capsys):
     capsys.readouterr()
-    run_script(EVAL, ["--model", model_dir, "--task", "toy", "--limit", 1, "--max-new-tokens", 4, "--temperature",
-                      0.5, "--out", str(tmp_path / "p.jsonl")])
+    run_script(
+        EVAL,
+        [
+            "--model",
+            model_dir,
+            "--task",
+            "toy",
+            "--limit",
+            1,
+            "--max-new-tokens",
+            4,
+            "--temperature",
+            0.5,
+            "--out",
+            str(tmp_path / "p.jsonl"),
+        ],
+    )
     assert "note: --temperature has no effect with --n 1 (greedy); pass --n > 1 to sample" in capsys.readouterr().out
     code, line = error_of(EVAL, ["--ckpt", a_run, "--adapter"], capsys)
     assert code == 2 and "--adapter writes a LoRA run's adapters with --export DIR" in line, line

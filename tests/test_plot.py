@@ -22,11 +22,17 @@ def test_running_mean_by_hand():
 
 
 def test_read_metrics_sorts_by_step_and_skips_blank_and_torn_lines(tmp_path):
-    rows = [{"step": 0, "eval/strict_acc": 0.1}, {"step": 2, "reward": 0.5}, {"step": 1, "reward": 0.2},
-            {"step": 2, "eval/strict_acc": 0.4}, {"config": "no step"}]
+    rows = [
+        {"step": 0, "eval/strict_acc": 0.1},
+        {"step": 2, "reward": 0.5},
+        {"step": 1, "reward": 0.2},
+        {"step": 2, "eval/strict_acc": 0.4},
+        {"config": "no step"},
+    ]
     # blank lines in the middle, and the last line torn by a kill in the middle of a write
-    run = write_run(tmp_path / "a", rows[:2], "\n  \n" + "".join(json.dumps(r) + "\n" for r in rows[2:]) +
-                    '{"step": 3, "rew')
+    run = write_run(
+        tmp_path / "a", rows[:2], "\n  \n" + "".join(json.dumps(r) + "\n" for r in rows[2:]) + '{"step": 3, "rew'
+    )
     got = read_metrics(run)
     assert [r["step"] for r in got] == [0, 1, 2, 2]
     assert series(got, "reward") == ([1, 2], [0.2, 0.5])
@@ -48,8 +54,12 @@ def test_series_leaves_out_null_values():
 def test_plot_draws_the_running_mean_and_the_eval_points(tmp_path, monkeypatch, capsys):
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
-    a = write_run(tmp_path / "a", [{"step": s, "reward": r} for s, r in enumerate([0.0, 1.0, 0.5, 0.5, 2.0])] +
-                  [{"step": 0, "eval/strict_acc": 0.25}, {"step": 4, "eval/strict_acc": 0.75}])
+
+    a = write_run(
+        tmp_path / "a",
+        [{"step": s, "reward": r} for s, r in enumerate([0.0, 1.0, 0.5, 0.5, 2.0])]
+        + [{"step": 0, "eval/strict_acc": 0.25}, {"step": 4, "eval/strict_acc": 0.75}],
+    )
     b = write_run(tmp_path / "b", [{"step": s, "reward": r} for s, r in enumerate([1.0, 3.0])])
     out = tmp_path / "curves.png"
     monkeypatch.setattr(sys, "argv", ["eval.py", "--plot", a, b, "--smooth", "2", "--out", str(out)])

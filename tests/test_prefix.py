@@ -51,7 +51,7 @@ def reference(model, ids, mask, C, T=1.0, pos=None):
     """Full rows through model(...) -> fp32 log-softmax (N, C, V) at the positions predicting the last C tokens."""
     pos = (mask.cumsum(-1) - 1).clamp(min=0) if pos is None else pos  # (N, P+C)
     z = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False).logits  # (N, P+C, V)
-    return (z[:, -C - 1:-1].float() / T).log_softmax(-1)  # (N, C, V)
+    return (z[:, -C - 1 : -1].float() / T).log_softmax(-1)  # (N, C, V)
 
 
 def picked(logq, ids, mask, C):
@@ -124,8 +124,9 @@ def test_completion_hidden_equals_the_full_rows_decoder(kind):
     m = mask[:, -C:].bool()
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        want = model.get_decoder()(input_ids=ids, attention_mask=mask, position_ids=pos,
-                                   use_cache=False).last_hidden_state[:, -C - 1:-1]  # (N, C, H)
+        want = model.get_decoder()(
+            input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=False
+        ).last_hidden_state[:, -C - 1 : -1]  # (N, C, H)
         shared = rollout.completion_hidden(model, ids, mask, C, share=True)
         full = rollout.completion_hidden(model, ids, mask, C, share=False)
     assert shared.shape == full.shape == want.shape
@@ -159,8 +160,9 @@ def test_lora_values_and_gradients_equal_the_full_rows():
     except ImportError:
         pytest.skip("needs peft: pip install peft")
     C = 6
-    model = get_peft_model(tiny("llama"), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                     target_modules=["q_proj", "v_proj"])).train()
+    model = get_peft_model(
+        tiny("llama"), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    ).train()
     torch.manual_seed(3)
     for name, p in model.named_parameters():
         if "lora_B" in name:  # B starts at 0 (the adapter a no-op): make it matter
@@ -237,8 +239,9 @@ def test_an_attention_that_ignores_the_cache_is_a_sharing_problem(monkeypatch, s
         kwargs.update(dict.fromkeys(("cache", "past_key_values") & kwargs.keys()))  # the name per transformers version
         mask = kwargs.get("attention_mask")
         if silent and mask is not None:
-            kwargs["attention_mask"] = mask[..., -hidden_states.size(1):]  # (N, 1, q, q)
+            kwargs["attention_mask"] = mask[..., -hidden_states.size(1) :]  # (N, 1, q, q)
         return forward(hidden_states, *args, **kwargs)
+
     monkeypatch.setattr(attn, "forward", no_cache)
     reason = rollout.sharing_problem(model)
     assert isinstance(reason, str) and reason and "\n" not in reason, reason

@@ -29,9 +29,14 @@ def apart(monkeypatch):
         seen["loads"].append((trainable, str(device), {p.dtype for p in model.parameters()}))
         if not trainable:  # the reference
             for layer in model.get_decoder().layers:
-                layer.register_forward_pre_hook(lambda m, a, k: seen["ref_calls"].append(
-                    (torch.is_autocast_enabled("cpu"), (a[0] if a else k["hidden_states"]).dtype)), with_kwargs=True)
+                layer.register_forward_pre_hook(
+                    lambda m, a, k: seen["ref_calls"].append(
+                        (torch.is_autocast_enabled("cpu"), (a[0] if a else k["hidden_states"]).dtype)
+                    ),
+                    with_kwargs=True,
+                )
         return model
+
     monkeypatch.setattr(models, "load_model", load_model)
     real_native = models.native_bf16
     monkeypatch.setattr(models, "native_bf16", lambda d: str(d) != "cpu:0" and real_native(d))
@@ -40,8 +45,7 @@ def apart(monkeypatch):
 
 
 def test_the_reference_apart_runs_in_its_own_dtype_and_only_its_results_travel(model_dir, tmp_path, apart, capsys):
-    g = run_script(TRAIN, train_args(model_dir, str(tmp_path), "--dtype", "bfloat16", "--ref-device", "cpu:0",
-                                     steps=2))
+    g = run_script(TRAIN, train_args(model_dir, str(tmp_path), "--dtype", "bfloat16", "--ref-device", "cpu:0", steps=2))
     assert "note: the reference on cpu:0 computes in fp32 (no native torch.bfloat16)" in capsys.readouterr().out
     (_, policy_device, policy_dtypes), (_, ref_device, ref_dtypes) = apart["loads"]
     assert (policy_device, ref_device) == ("cpu", "cpu:0")
@@ -64,8 +68,20 @@ def test_the_same_device_keeps_the_policys_dtype_and_a_zero_kl(model_dir, tmp_pa
 
 
 def test_the_full_kl_runs_the_reference_head_on_the_policys_side(model_dir, tmp_path, apart):
-    g = run_script(TRAIN, train_args(model_dir, str(tmp_path), "--ref-device", "cpu:0", "--kl-estimator", "full",
-                                     "--config", "ref_sync_every=1", steps=2))
+    g = run_script(
+        TRAIN,
+        train_args(
+            model_dir,
+            str(tmp_path),
+            "--ref-device",
+            "cpu:0",
+            "--kl-estimator",
+            "full",
+            "--config",
+            "ref_sync_every=1",
+            steps=2,
+        ),
+    )
     ref, policy = g["ref"], g["policy"]
     head = ref.get_output_embeddings()
     assert head.weight is not ref.get_input_embeddings().weight  # a copy for the policy's side: no longer tied
@@ -79,11 +95,16 @@ def test_the_full_kl_runs_the_reference_head_on_the_policys_side(model_dir, tmp_
     assert rows[0]["kl"] == 0.0 and all(r["kl"] == r["kl"] for r in rows)  # fp32 on both sides: exactly 0
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--lora-rank", 4], "--lora-rank: the reference is the base (adapters off); it takes no ref_sync_every, "
-                         "no --ref-device"),
-    (["--ref-device", "nope"], "device 'nope' is not usable here"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (
+            ["--lora-rank", 4],
+            "--lora-rank: the reference is the base (adapters off); it takes no ref_sync_every, no --ref-device",
+        ),
+        (["--ref-device", "nope"], "device 'nope' is not usable here"),
+    ],
+)
 def test_what_the_reference_device_does_not_take_is_one_line(model_dir, tmp_path, capsys, extra, message):
     argv = train_args(model_dir, str(tmp_path / "run"), "--ref-device", "cpu", *extra)
     capsys.readouterr()

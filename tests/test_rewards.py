@@ -10,9 +10,20 @@ from transformers import LlamaConfig, LlamaForSequenceClassification
 
 import rewards
 import tasks
-from rewards import (RewardError, answers_match, combine_rewards, correctness_reward, extract_answer,
-                     extract_boxed, extract_flexible, extract_gold, extract_strict, format_reward,
-                     has_final_answer, overlong_reward)
+from rewards import (
+    RewardError,
+    answers_match,
+    combine_rewards,
+    correctness_reward,
+    extract_answer,
+    extract_boxed,
+    extract_flexible,
+    extract_gold,
+    extract_strict,
+    format_reward,
+    has_final_answer,
+    overlong_reward,
+)
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -21,8 +32,10 @@ def test_docstring_examples():
     result = doctest.testmod(rewards)
     assert result.attempted > 0 and result.failed == 0  # a module whose examples were all lost runs none
 
+
 # -----------------------------------------------------------------------------
 # extraction
+
 
 def test_extract_gold():
     assert extract_gold("Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 eggs.\n#### 18") == "18"
@@ -72,28 +85,32 @@ def test_extract_answer_prefers_strict_then_boxed():
     assert extract_answer("the answer is 5") is None
 
 
-@pytest.mark.parametrize("pred, gold, same", [
-    ("72", "72", True),
-    ("72.0", "72", True),
-    ("72.", "72", True),
-    ("$1,000", "1000", True),
-    ("\\$1,000", "1000", True),
-    (" 1 000 ", "1000", True),
-    ("-5", "-5", True),
-    ("3/4", "0.75", True),
-    ("\\frac{3}{4}", "0.75", True),
-    ("\\dfrac{3}{4}", "3/4", True),
-    ("0.1", "1/10", True),
-    ("71.99", "72", False),
-    ("5", "-5", False),
-    ("1/0", "1", False),
-    ("abc", "abc", True),  # non-numbers compare as strings
-    (None, "72", False),
-    ("", "", False),
-    (".", "0", False),
-])
+@pytest.mark.parametrize(
+    "pred, gold, same",
+    [
+        ("72", "72", True),
+        ("72.0", "72", True),
+        ("72.", "72", True),
+        ("$1,000", "1000", True),
+        ("\\$1,000", "1000", True),
+        (" 1 000 ", "1000", True),
+        ("-5", "-5", True),
+        ("3/4", "0.75", True),
+        ("\\frac{3}{4}", "0.75", True),
+        ("\\dfrac{3}{4}", "3/4", True),
+        ("0.1", "1/10", True),
+        ("71.99", "72", False),
+        ("5", "-5", False),
+        ("1/0", "1", False),
+        ("abc", "abc", True),  # non-numbers compare as strings
+        (None, "72", False),
+        ("", "", False),
+        (".", "0", False),
+    ],
+)
 def test_answers_match(pred, gold, same):
     assert answers_match(pred, gold) is same
+
 
 # -----------------------------------------------------------------------------
 # reward fns
@@ -108,8 +125,13 @@ def test_correctness_and_format_rewards():
 
 
 def test_format_needs_a_number_on_the_line():
-    assert [has_final_answer(t) for t in ["#### 3", "\\boxed{\\frac{1}{2}}", "#### .", "\\boxed{}", "3"]] == \
-        [True, True, False, False, False]
+    assert [has_final_answer(t) for t in ["#### 3", "\\boxed{\\frac{1}{2}}", "#### .", "\\boxed{}", "3"]] == [
+        True,
+        True,
+        False,
+        False,
+        False,
+    ]
     assert format_reward(["#### ,", "#### 1,000"]) == [0.0, 1.0]
 
 
@@ -149,7 +171,6 @@ def test_combine_rewards_errors():
         combine_rewards(fns, {"correct": 1.0, "format": 0.1}, ["a", "b"], answer=["1"])
 
 
-
 def one_line_error(fns, weights, completions, **fields):
     with pytest.raises(RewardError) as e:
         combine_rewards(fns, weights, completions, **fields)
@@ -161,11 +182,14 @@ def one_line_error(fns, weights, completions, **fields):
 def test_reward_that_raises_names_itself_and_the_completion():
     def inverse(completions, answer, **_):
         return [1 / int(a) for a in answer]
+
     fns = {"format": format_reward, "inverse": inverse}
     msg = one_line_error(fns, {"format": 0.1, "inverse": 1.0}, ["a", "b\nc", "d"], answer=["1", "0", "0"])
     # index 1 is the first that fails alone; its newline stays escaped
-    assert msg == ("reward 'inverse' raised ZeroDivisionError: division by zero on completion 1 'b\\nc'; "
-                   "fix the function or its weight")
+    assert msg == (
+        "reward 'inverse' raised ZeroDivisionError: division by zero on completion 1 'b\\nc'; "
+        "fix the function or its weight"
+    )
 
 
 def test_reward_that_raises_only_on_the_batch():
@@ -173,32 +197,36 @@ def test_reward_that_raises_only_on_the_batch():
         if len(completions) > 1:
             raise RuntimeError("too many\ncompletions")
         return [0.0]
+
     msg = one_line_error({"solo": batch_of_one_only}, {"solo": 1.0}, ["a", "b"])
     assert msg.startswith("reward 'solo' raised RuntimeError: too many completions on the batch of 2;")
 
 
 # the reward contract: N finite real numbers, else one line naming the fn (a dict would train on its keys,
 # a str on its characters)
-@pytest.mark.parametrize("raw, what", [
-    ({0: 1.0, 1: 1.0}, "returned a dict, not a list of numbers"),
-    ("11", "returned a str, not a list of numbers"),
-    ({0.0, 1.0}, "returned a set, not a list of numbers"),
-    ((x for x in [1.0, 0.0]), "returned a generator, not a list of numbers"),
-    (None, "returned a NoneType, not a list of numbers"),
-    (1.0, "returned a float, not a list of numbers"),
-    (torch.tensor(1.0), "returned a Tensor, not a list of numbers"),  # 0-dim
-    (np.ones((2, 1)), "returned a ndarray, not a list of numbers"),  # 2-D
-    ([1.0], "returned 1 values for 2 completions"),
-    ((1.0, 0.0, 1.0), "returned 3 values for 2 completions"),
-    (["1", "0"], "gave '1' (str) for completion 0 'a', not a finite number"),
-    (np.array(["1", "0"]), "gave '1' (str) for completion 0 'a', not a finite number"),
-    ([[1.0], [0.0]], "gave [1.0] (list) for completion 0 'a', not a finite number"),
-    ([1.0, None], "gave None (NoneType) for completion 1 'b', not a finite number"),
-    ([1.0, float("nan")], "gave nan (float) for completion 1 'b', not a finite number"),
-    ([float("-inf"), 1.0], "gave -inf (float) for completion 0 'a', not a finite number"),
-    (torch.tensor([1.0, float("inf")]), "gave inf (float) for completion 1 'b', not a finite number"),
-    ([1.0, 1j], "gave 1j (complex) for completion 1 'b', not a finite number"),
-])
+@pytest.mark.parametrize(
+    "raw, what",
+    [
+        ({0: 1.0, 1: 1.0}, "returned a dict, not a list of numbers"),
+        ("11", "returned a str, not a list of numbers"),
+        ({0.0, 1.0}, "returned a set, not a list of numbers"),
+        ((x for x in [1.0, 0.0]), "returned a generator, not a list of numbers"),
+        (None, "returned a NoneType, not a list of numbers"),
+        (1.0, "returned a float, not a list of numbers"),
+        (torch.tensor(1.0), "returned a Tensor, not a list of numbers"),  # 0-dim
+        (np.ones((2, 1)), "returned a ndarray, not a list of numbers"),  # 2-D
+        ([1.0], "returned 1 values for 2 completions"),
+        ((1.0, 0.0, 1.0), "returned 3 values for 2 completions"),
+        (["1", "0"], "gave '1' (str) for completion 0 'a', not a finite number"),
+        (np.array(["1", "0"]), "gave '1' (str) for completion 0 'a', not a finite number"),
+        ([[1.0], [0.0]], "gave [1.0] (list) for completion 0 'a', not a finite number"),
+        ([1.0, None], "gave None (NoneType) for completion 1 'b', not a finite number"),
+        ([1.0, float("nan")], "gave nan (float) for completion 1 'b', not a finite number"),
+        ([float("-inf"), 1.0], "gave -inf (float) for completion 0 'a', not a finite number"),
+        (torch.tensor([1.0, float("inf")]), "gave inf (float) for completion 1 'b', not a finite number"),
+        ([1.0, 1j], "gave 1j (complex) for completion 1 'b', not a finite number"),
+    ],
+)
 def test_reward_contract_broken_names_the_fn(raw, what):
     msg = one_line_error({"judge": lambda c, **_: raw}, {"judge": 0.0}, ["a", "b"])  # weight 0 is still checked
     assert msg == f"reward 'judge' {what}; return a list of 2 numbers"
@@ -207,15 +235,25 @@ def test_reward_contract_broken_names_the_fn(raw, what):
 def test_reward_contract_message_shows_a_long_completion_on_one_line():
     long = "line one\n" + "x" * 100
     msg = one_line_error({"judge": lambda c, **_: [1.0, float("nan")]}, {"judge": 1.0}, ["ok", long])
-    assert msg == f"reward 'judge' gave nan (float) for completion 1 {long[:60]!r}..., not a finite number; " \
-                  "return a list of 2 numbers"
+    assert (
+        msg == f"reward 'judge' gave nan (float) for completion 1 {long[:60]!r}..., not a finite number; "
+        "return a list of 2 numbers"
+    )
 
 
-@pytest.mark.parametrize("raw", [
-    [1, 0.5], (True, 0.5), [np.int64(1), np.float32(0.5)], [np.bool_(True), np.float64(0.5)],
-    [torch.tensor(1), torch.tensor(0.5, dtype=torch.bfloat16)], torch.tensor([1.0, 0.5], requires_grad=True),
-    np.array([1.0, 0.5]), [Fraction(1), Fraction(1, 2)],
-])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        [1, 0.5],
+        (True, 0.5),
+        [np.int64(1), np.float32(0.5)],
+        [np.bool_(True), np.float64(0.5)],
+        [torch.tensor(1), torch.tensor(0.5, dtype=torch.bfloat16)],
+        torch.tensor([1.0, 0.5], requires_grad=True),
+        np.array([1.0, 0.5]),
+        [Fraction(1), Fraction(1, 2)],
+    ],
+)
 def test_reward_contract_takes_real_numbers(raw):
     total, per_fn = combine_rewards({"judge": lambda c, **_: raw}, {"judge": 2.0}, ["a", "b"])
     assert per_fn == {"judge": [1.0, 0.5]} and total == [2.0, 1.0]
@@ -234,6 +272,7 @@ def test_weight_must_be_a_number():
     msg = one_line_error(fns, {"correct": "1.0", "format": 0.1}, ["#### 1"], answer=["1"])
     assert msg == "weight correct='1.0' is not a finite number; give reward 'correct' a weight like 1.0"
 
+
 # -----------------------------------------------------------------------------
 # README: a reward model as a reward fn
 
@@ -243,14 +282,22 @@ def readme_block(heading):
     lines = README.read_text().splitlines()
     at = lines.index(heading)
     start = lines.index("```python", at) + 1
-    assert not any(line.startswith("#") for line in lines[at + 1:start]), f"no python block under {heading!r}"
-    return "\n".join(lines[start:lines.index("```", start)])
+    assert not any(line.startswith("#") for line in lines[at + 1 : start]), f"no python block under {heading!r}"
+    return "\n".join(lines[start : lines.index("```", start)])
 
 
 def tiny_reward_model(num_labels=1):
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3, num_labels=num_labels)
+    cfg = LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.3,
+        num_labels=num_labels,
+    )
     return LlamaForSequenceClassification(cfg).eval()
 
 
@@ -258,8 +305,10 @@ def test_readme_reward_model_scores_each_text_as_if_alone(monkeypatch):
     tok, rm = make_tokenizer(), tiny_reward_model()
     assert rm.config.pad_token_id is None  # the block sets it from the tokenizer
     # the block adds the fn to TASKS["gsm8k"]: it gets a copy with dicts of its own
-    own = {k: t._replace(reward_fns=dict(t.reward_fns), reward_weights=dict(t.reward_weights))
-           for k, t in tasks.TASKS.items()}
+    own = {
+        k: t._replace(reward_fns=dict(t.reward_fns), reward_weights=dict(t.reward_weights))
+        for k, t in tasks.TASKS.items()
+    }
     monkeypatch.setattr(tasks, "TASKS", own)
     block = {"rm": rm, "rm_tok": tok}
     exec(readme_block("### A reward model as a reward function"), block)
@@ -267,14 +316,17 @@ def test_readme_reward_model_scores_each_text_as_if_alone(monkeypatch):
     prompts = ["w1 w2 w3", "w4", "w5 w6", "w7 w8 w9 w10 w11"]  # 4 to 9 tokens: every row but one is padded
     completions = [" w12", " w13 w14 w15 w16 w17 w18", " w19", " w20 w21 w22"]
     task = tasks.TASKS["gsm8k"]
-    total, per_fn = combine_rewards(task.reward_fns, task.reward_weights, completions, question=prompts,
-                                    answer=["1"] * 4)
+    total, per_fn = combine_rewards(
+        task.reward_fns, task.reward_weights, completions, question=prompts, answer=["1"] * 4
+    )
     with torch.no_grad():  # each text alone, no padding at all
-        alone = [rm(input_ids=torch.tensor([tok(p + c)["input_ids"]])).logits[0, 0].item()
-                 for p, c in zip(prompts, completions)]
+        alone = [
+            rm(input_ids=torch.tensor([tok(p + c)["input_ids"]])).logits[0, 0].item()
+            for p, c in zip(prompts, completions)
+        ]
     # fp32, hidden 32: batched and alone differ only in summation order, ~1e-6 on scores of size ~1
     assert per_fn["rm"] == pytest.approx(alone, abs=1e-5)
     assert total == per_fn["rm"]  # weight 1.0; correct and format are 0 here
-    assert min(abs(a - b) for i, a in enumerate(alone) for b in alone[i + 1:]) > 1e-3  # scores depend on the text
+    assert min(abs(a - b) for i, a in enumerate(alone) for b in alone[i + 1 :]) > 1e-3  # scores depend on the text
     with pytest.raises(AssertionError, match="num_labels=1"):
         block["reward_model"](tiny_reward_model(num_labels=2), tok)

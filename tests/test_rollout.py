@@ -17,12 +17,24 @@ import torch.nn.functional as F
 
 from conftest import DECODE, ENDOFTEXT, EOS, GRADS, VOCAB, assert_close_scaled, make_model, make_tokenizer
 from rollout import stop_token_ids
-from rollout import (Rollout, completion_hidden, concat, encode_prompts,
-                     head_logprobs, left_pad, sample, sample_from_logits, token_logprobs)
+from rollout import (
+    Rollout,
+    completion_hidden,
+    concat,
+    encode_prompts,
+    head_logprobs,
+    left_pad,
+    sample,
+    sample_from_logits,
+    token_logprobs,
+)
 
 # prompts of very different lengths so left padding is real
-PROMPTS = ["w1 w2", "w3 w4 w5 w6 w7 w8 w9 w10 w11 w12",
-           [{"role": "system", "content": "w13"}, {"role": "user", "content": "w14 w15 w16"}]]
+PROMPTS = [
+    "w1 w2",
+    "w3 w4 w5 w6 w7 w8 w9 w10 w11 w12",
+    [{"role": "system", "content": "w13"}, {"role": "user", "content": "w14 w15 w16"}],
+]
 
 
 def _gen(seed=0):
@@ -33,7 +45,7 @@ def _naive_logprobs(model, input_ids, attention_mask, C, temperature=1.0):
     """Full-vocab log_softmax over the whole model output: logp (N, C), entropy (N, C)."""
     pos = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (N, T)
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).logits  # (N, T, V)
-    logp_all = (logits[:, -C - 1:-1].float() / temperature).log_softmax(-1)  # (N, C, V)
+    logp_all = (logits[:, -C - 1 : -1].float() / temperature).log_softmax(-1)  # (N, C, V)
     logp = logp_all.gather(-1, input_ids[:, -C:, None]).squeeze(-1)  # (N, C)
     entropy = -(logp_all.exp() * logp_all).sum(-1)  # (N, C)
     return logp, entropy
@@ -48,12 +60,13 @@ def _ragged_batch(P=5, C=6, seed=0):
     prompt_lens, comp_lens = [5, 5, 2, 3], [6, 4, 1, 3]
     mask = torch.zeros(4, P + C, dtype=torch.long)
     for i, (p, c) in enumerate(zip(prompt_lens, comp_lens)):
-        mask[i, P - p:P + c] = 1
+        mask[i, P - p : P + c] = 1
     return ids, mask, mask[:, P:]
 
 
 # -----------------------------------------------------------------------------
 # masks and stop ids
+
 
 class Scripted(torch.nn.Module):
     """Wraps a model for sample(): decode step t of row r is forced to script[t][r] when >= 0; free
@@ -82,20 +95,31 @@ class Scripted(torch.nn.Module):
 def test_sample_masks_with_pad_eq_eos_and_two_stop_ids(tiny_tok, tiny_model):
     stop_ids = [ENDOFTEXT, EOS]  # pad == eos == stop_ids[1]; sample pads with stop_ids[0]
     _, E, O = -1, EOS, ENDOFTEXT  # noqa: E741 (O: the other stop id)
-    script = [[_, _, _, _, _, _],   # step 0 (prefill): free
-              [_, O, _, _, _, _],   # row 1 stops at 1 on the second stop id
-              [E, _, _, _, _, _],   # row 0 stops at 2 on eos (== pad)
-              [_, _, _, _, E, _],   # row 4 stops at 3 ...
-              [_, _, _, _, O, _],   # ... and a later stop must change nothing
-              [_, _, _, E, _, _]]   # row 3 stops on the very last step; rows 2 and 5 never stop
-    r = sample(Scripted(tiny_model, script), tiny_tok, PROMPTS[:2], group_size=3, max_new_tokens=6,
-               stop_ids=stop_ids, generator=_gen())
-    assert r.completion_mask.tolist() == [[1, 1, 1, 0, 0, 0],
-                                          [1, 1, 0, 0, 0, 0],
-                                          [1, 1, 1, 1, 1, 1],
-                                          [1, 1, 1, 1, 1, 1],
-                                          [1, 1, 1, 1, 0, 0],
-                                          [1, 1, 1, 1, 1, 1]]
+    script = [
+        [_, _, _, _, _, _],  # step 0 (prefill): free
+        [_, O, _, _, _, _],  # row 1 stops at 1 on the second stop id
+        [E, _, _, _, _, _],  # row 0 stops at 2 on eos (== pad)
+        [_, _, _, _, E, _],  # row 4 stops at 3 ...
+        [_, _, _, _, O, _],  # ... and a later stop must change nothing
+        [_, _, _, E, _, _],
+    ]  # row 3 stops on the very last step; rows 2 and 5 never stop
+    r = sample(
+        Scripted(tiny_model, script),
+        tiny_tok,
+        PROMPTS[:2],
+        group_size=3,
+        max_new_tokens=6,
+        stop_ids=stop_ids,
+        generator=_gen(),
+    )
+    assert r.completion_mask.tolist() == [
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 1, 1, 1],
+        [1, 1, 1, 1, 1, 1],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 1, 1, 1, 1],
+    ]
     assert r.truncated.tolist() == [False, False, True, False, False, True]
     assert r.completion_ids[0, 2] == EOS and r.completion_ids[1, 1] == ENDOFTEXT and r.completion_ids[3, 5] == EOS
     assert (r.completion_ids[r.completion_mask == 0] == stop_ids[0]).all()  # pad after the stop
@@ -115,8 +139,15 @@ def test_sample_logp_is_zero_after_the_stop_even_with_inf_logits(tiny_tok, tiny_
     poisons any masked sum over sample_logp (e.g. a ratio against old log-probs)."""
     _, E = -1, EOS
     script = [[_, _, _, _], [E, _, _, _], [_, _, _, _]]
-    r = sample(Scripted(tiny_model, script, low=float("-inf")), tiny_tok, PROMPTS[:2], group_size=2,
-               max_new_tokens=3, stop_ids=[ENDOFTEXT, EOS], generator=_gen())
+    r = sample(
+        Scripted(tiny_model, script, low=float("-inf")),
+        tiny_tok,
+        PROMPTS[:2],
+        group_size=2,
+        max_new_tokens=3,
+        stop_ids=[ENDOFTEXT, EOS],
+        generator=_gen(),
+    )
     assert r.completion_mask[0].tolist() == [1, 1, 0]
     assert torch.isfinite(r.sample_logp).all(), f"sample_logp after the stop: {r.sample_logp[0].tolist()}"
 
@@ -124,8 +155,15 @@ def test_sample_logp_is_zero_after_the_stop_even_with_inf_logits(tiny_tok, tiny_
 def test_sample_stops_early_when_every_row_is_done(tiny_tok, tiny_model):
     _, E = -1, EOS
     script = [[_, _, _, _], [E, _, E, _], [_, E, _, _], [_, _, _, E], [_, _, _, _]]
-    r = sample(Scripted(tiny_model, script), tiny_tok, PROMPTS[:2], group_size=2, max_new_tokens=20,
-               stop_ids=[EOS], generator=_gen())
+    r = sample(
+        Scripted(tiny_model, script),
+        tiny_tok,
+        PROMPTS[:2],
+        group_size=2,
+        max_new_tokens=20,
+        stop_ids=[EOS],
+        generator=_gen(),
+    )
     assert r.completion_ids.shape == (4, 4)  # the loop ended at the last stop, not at 20
     assert r.completion_mask.sum(1).tolist() == [2, 3, 2, 4]
     assert not r.truncated.any()
@@ -134,12 +172,14 @@ def test_sample_stops_early_when_every_row_is_done(tiny_tok, tiny_model):
 # -----------------------------------------------------------------------------
 # log-probs: sampling time vs teacher forcing vs naive
 
+
 @pytest.mark.parametrize("share", [True, False])
 def test_sample_logp_matches_teacher_forced_with_left_padding(tiny_tok, tiny_model, share):
     """fp32 (dtype None: no autocast): the decode loop and the training pass differ by summation order only."""
     T = 0.7
-    r = sample(tiny_model, tiny_tok, PROMPTS, group_size=2, max_new_tokens=12, stop_ids=[EOS],
-               temperature=T, generator=_gen(1))
+    r = sample(
+        tiny_model, tiny_tok, PROMPTS, group_size=2, max_new_tokens=12, stop_ids=[EOS], temperature=T, generator=_gen(1)
+    )
     assert (r.prompt_mask == 0).any(), "the test needs left padding"
     C, m = r.completion_ids.size(1), r.completion_mask.bool()
     assert m.sum() >= 3 * C, "the test needs several valid tokens"
@@ -200,10 +240,10 @@ def test_a_bf16_model_gives_fp32_log_probs_off_by_bf16_rounding_only(tiny_model)
         want, _, _ = token_logprobs(tiny_model, ids, mask, C)
         got, ent, _ = token_logprobs(ref, ids, mask, C, with_entropy=True)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = tiny_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1:-1]  # (N, C, V)
+        logits = tiny_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1 : -1]  # (N, C, V)
     assert got.dtype == ent.dtype == torch.float32
     diff, S = (got[m] - want[m]).abs().max(), logits[m].abs().max()
-    assert 0 < diff <= 4 * 3 * 2.0 ** -8 * S, f"a bf16 model is off fp32 by more than bf16 rounding: {diff}"
+    assert 0 < diff <= 4 * 3 * 2.0**-8 * S, f"a bf16 model is off fp32 by more than bf16 rounding: {diff}"
 
 
 class WideHead(torch.nn.Module):
@@ -229,7 +269,7 @@ def test_head_logprobs_runs_the_head_module_on_chunks_only():
     exist at once. Log-probs, entropy, KL and gradients equal one unchunked log_softmax over the same
     weights (F.linear, not the module)."""
     g = _gen(7)
-    n, H, V, T, vocab = 133, 8, 37, 0.8, 2 ** 18  # a 2^18 vocabulary: 64 rows a chunk, 64 does not divide 133
+    n, H, V, T, vocab = 133, 8, 37, 0.8, 2**18  # a 2^18 vocabulary: 64 rows a chunk, 64 does not divide 133
     torch.manual_seed(0)
     head, ref_head = WideHead(H, V, vocab), WideHead(H, V, vocab)  # with biases
     hidden = (2 * torch.randn(n, H, generator=g)).requires_grad_()
@@ -275,9 +315,9 @@ def test_token_logprobs_kl_to_a_reference_equals_the_full_softmax(tiny_model):
         self_hidden = completion_hidden(tiny_model, ids, mask, C)
     logp, _, kl = token_logprobs(tiny_model, ids, mask, C, T, ref=(ref.lm_head, ref_hidden))
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    z = tiny_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1:-1] / T  # (N, C, V)
+    z = tiny_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1 : -1] / T  # (N, C, V)
     with torch.no_grad():
-        z_ref = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1:-1] / T
+        z_ref = ref(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1 : -1] / T
     want = (z.softmax(-1) * (z.log_softmax(-1) - z_ref.log_softmax(-1))).sum(-1)  # (N, C)
     # fp32, the same math in another order (decoder and head called apart, a shared prompt): ~1e-6 relative
     assert_close_scaled(kl[m], want[m])
@@ -294,6 +334,7 @@ def test_token_logprobs_kl_to_a_reference_equals_the_full_softmax(tiny_model):
 
 # -----------------------------------------------------------------------------
 # sampling
+
 
 def test_sample_seed_groups_and_prompt_rows(tiny_tok, tiny_model):
     kw = dict(group_size=3, max_new_tokens=8, stop_ids=[EOS], temperature=1.0)
@@ -318,7 +359,7 @@ def test_a_generator_per_prompt_makes_its_completions_independent_of_the_batch(t
     both = sample(tiny_model, tiny_tok, PROMPTS[:2], generator=[_gen(10), _gen(11)], **kw)
     assert (both.prompt_mask[:2] == 0).any(), "the test needs prompt 0 left-padded in the batch"
     for i, seed in enumerate((10, 11)):  # each prompt alone, with its own generator
-        alone = sample(tiny_model, tiny_tok, PROMPTS[i:i + 1], generator=[_gen(seed)], **kw)
+        alone = sample(tiny_model, tiny_tok, PROMPTS[i : i + 1], generator=[_gen(seed)], **kw)
         rows, C = slice(2 * i, 2 * i + 2), alone.completion_ids.size(1)
         assert both.completions[rows] == alone.completions, i
         assert torch.equal(both.completion_ids[rows, :C], alone.completion_ids), i
@@ -346,7 +387,7 @@ def _naive_greedy(model, prompt_ids, steps, stop_ids):
         ids.append(tok)
         if tok in stop_ids:
             break
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 def test_greedy_matches_uncached_decode(tiny_tok, tiny_model):
@@ -355,7 +396,7 @@ def test_greedy_matches_uncached_decode(tiny_tok, tiny_model):
     for i, p in enumerate(encode_prompts(tiny_tok, PROMPTS)):
         want = _naive_greedy(tiny_model, p, 10, [EOS])
         row = greedy.completion_ids[2 * i]
-        assert row[:len(want)].tolist() == want, f"prompt {i}"
+        assert row[: len(want)].tolist() == want, f"prompt {i}"
         assert torch.equal(row, greedy.completion_ids[2 * i + 1])
     # temperature 0 reports the untempered (T=1) log-probs of the greedy tokens
     C, m = greedy.completion_ids.size(1), greedy.completion_mask.bool()
@@ -366,6 +407,7 @@ def test_greedy_matches_uncached_decode(tiny_tok, tiny_model):
 # -----------------------------------------------------------------------------
 # prompts
 
+
 def test_encode_prompts_with_and_without_chat_template():
     v = VOCAB
     B, S, E, user, system, asst = v["<bos>"], v["<|im_start|>"], v["<|im_end|>"], v["user"], v["system"], v["assistant"]
@@ -373,7 +415,8 @@ def test_encode_prompts_with_and_without_chat_template():
     msgs = [{"role": "system", "content": "w3"}, {"role": "user", "content": "w4 w5"}]
     assert encode_prompts(chat, ["w1 w2", msgs]) == [
         [B, S, user, v["w1"], v["w2"], E, S, asst],  # plain string -> one user message; one BOS only
-        [B, S, system, v["w3"], E, S, user, v["w4"], v["w5"], E, S, asst]]
+        [B, S, system, v["w3"], E, S, user, v["w4"], v["w5"], E, S, asst],
+    ]
     raw = make_tokenizer(chat_template=False)
     assert encode_prompts(raw, ["w1 w2", msgs]) == [[B, v["w1"], v["w2"]], [B, v["w3"], v["w4"], v["w5"]]]
 
@@ -387,30 +430,57 @@ def test_left_pad_by_hand():
 def test_max_prompt_tokens_keeps_the_last_tokens_and_flags_the_cut(tiny_tok, tiny_model):
     encoded = encode_prompts(tiny_tok, PROMPTS)
     assert [len(p) for p in encoded] == [8, 16, 13]  # <bos> <|im_start|> user ... assistant
-    r = sample(tiny_model, tiny_tok, PROMPTS, group_size=2, max_new_tokens=6, stop_ids=[EOS], temperature=0,
-               max_prompt_tokens=8)
+    r = sample(
+        tiny_model,
+        tiny_tok,
+        PROMPTS,
+        group_size=2,
+        max_new_tokens=6,
+        stop_ids=[EOS],
+        temperature=0,
+        max_prompt_tokens=8,
+    )
     assert r.prompt_ids.shape == (6, 8) and r.prompt_mask.all()
     assert r.prompt_cut.tolist() == [False, False, True, True, True, True]
     for i, p in enumerate(encoded):
         assert r.prompt_ids[2 * i].tolist() == p[-8:], i
         want = _naive_greedy(tiny_model, p[-8:], 6, [EOS])  # the model saw the cut prompt
-        assert r.completion_ids[2 * i, :len(want)].tolist() == want, i
+        assert r.completion_ids[2 * i, : len(want)].tolist() == want, i
     assert _naive_greedy(tiny_model, encoded[1], 6, [EOS]) != _naive_greedy(tiny_model, encoded[1][-8:], 6, [EOS])
 
 
 # -----------------------------------------------------------------------------
 # rollouts of different widths
 
+
 def test_concat_repads_and_picks_rows_by_hand():
     t = torch.tensor
-    a = Rollout(prompt_ids=t([[0, 7, 8], [9, 9, 9]]), prompt_mask=t([[0, 1, 1], [1, 1, 1]]),
-                completion_ids=t([[5, 3], [6, 6]]), completion_mask=t([[1, 1], [1, 1]]), truncated=t([False, True]),
-                completions=["a0", "a1"], sample_logp=t([[-0.5, -0.25], [-1.0, -2.0]]), prompt_cut=t([False, True]),
-                env_mask=t([[False, False], [False, False]]), tool_calls=t([0, 2]), tool_errors=t([0, 1]))
-    b = Rollout(prompt_ids=t([[4]]), prompt_mask=t([[1]]), completion_ids=t([[7, 7, 3]]),
-                completion_mask=t([[1, 0, 1]]), truncated=t([False]), completions=["b0"],  # 7 at 1: a tool's reply
-                sample_logp=t([[-0.1, 0.0, -0.3]]), prompt_cut=t([False]), env_mask=t([[False, True, False]]),
-                tool_calls=t([1]), tool_errors=t([0]))
+    a = Rollout(
+        prompt_ids=t([[0, 7, 8], [9, 9, 9]]),
+        prompt_mask=t([[0, 1, 1], [1, 1, 1]]),
+        completion_ids=t([[5, 3], [6, 6]]),
+        completion_mask=t([[1, 1], [1, 1]]),
+        truncated=t([False, True]),
+        completions=["a0", "a1"],
+        sample_logp=t([[-0.5, -0.25], [-1.0, -2.0]]),
+        prompt_cut=t([False, True]),
+        env_mask=t([[False, False], [False, False]]),
+        tool_calls=t([0, 2]),
+        tool_errors=t([0, 1]),
+    )
+    b = Rollout(
+        prompt_ids=t([[4]]),
+        prompt_mask=t([[1]]),
+        completion_ids=t([[7, 7, 3]]),
+        completion_mask=t([[1, 0, 1]]),
+        truncated=t([False]),
+        completions=["b0"],  # 7 at 1: a tool's reply
+        sample_logp=t([[-0.1, 0.0, -0.3]]),
+        prompt_cut=t([False]),
+        env_mask=t([[False, True, False]]),
+        tool_calls=t([1]),
+        tool_errors=t([0]),
+    )
     r = concat([a, b])[t([1, 0, 2])]  # a's rows swapped, then b's
     assert r.prompt_ids.tolist() == [[9, 9, 9], [0, 7, 8], [0, 0, 4]]
     assert r.prompt_mask.tolist() == [[1, 1, 1], [0, 1, 1], [0, 0, 1]]
@@ -438,13 +508,15 @@ def test_sample_from_logits_follows_the_distribution_and_never_draws_removed_tok
 # -----------------------------------------------------------------------------
 # the real offline model
 
+
 @pytest.mark.real_model
 def test_real_model_sample_logp_matches_teacher_forced(real_model):
     model, tok = real_model
     prompts = ["What is 2 + 3?", "Name three colours of the rainbow, then explain in one sentence why the sky is blue."]
     stop_ids, T = stop_token_ids(tok, model), 0.7
-    r = sample(model, tok, prompts, group_size=2, max_new_tokens=16, stop_ids=stop_ids, temperature=T,
-               generator=_gen(0))
+    r = sample(
+        model, tok, prompts, group_size=2, max_new_tokens=16, stop_ids=stop_ids, temperature=T, generator=_gen(0)
+    )
     assert (r.prompt_mask == 0).any(), "the test needs left padding"
     C, m = r.completion_ids.size(1), r.completion_mask.bool()
     for share in (True, False):

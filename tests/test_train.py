@@ -25,10 +25,38 @@ import toy  # noqa: E402
 from conftest import DECODE, EPS32, assert_close_scaled  # noqa: E402
 from toy import REPO, TIMING, TOY_TRAIN, TRAIN, read_metrics, run_script, subprocess_env, train_args  # noqa: E402
 
-REQUIRED = {"reward", "reward_std", "reward/even", "reward/first", "frac_zero_std", "kl", "clip_low", "clip_high",
-            "clip", "entropy", "completion_len", "completion_len_max", "truncated", "grad_norm", "lr",
-            "t_generate", "t_reference", "t_train", "gen_tok_s", "dlogp_max", "dlogp_p99", "dlogp_mean", "is_capped",
-            "kl_max", "prompt_cut", "skipped", "loss", "ratio_mean", "ratio_min", "ratio_max"}
+REQUIRED = {
+    "reward",
+    "reward_std",
+    "reward/even",
+    "reward/first",
+    "frac_zero_std",
+    "kl",
+    "clip_low",
+    "clip_high",
+    "clip",
+    "entropy",
+    "completion_len",
+    "completion_len_max",
+    "truncated",
+    "grad_norm",
+    "lr",
+    "t_generate",
+    "t_reference",
+    "t_train",
+    "gen_tok_s",
+    "dlogp_max",
+    "dlogp_p99",
+    "dlogp_mean",
+    "is_capped",
+    "kl_max",
+    "prompt_cut",
+    "skipped",
+    "loss",
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+}
 G = 4  # train_args: 2 prompts x 4 completions
 
 
@@ -52,6 +80,7 @@ def train_error(argv, capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return e.value.code, err.strip().splitlines()[-1]
+
 
 # -----------------------------------------------------------------------------
 # end to end
@@ -97,8 +126,11 @@ def toy_rewards(completions, prompts):
     return [toy.frac_even([c])[0] + 0.5 * toy.first_parity([c], [a])[0] for c, a in zip(completions, gold)]
 
 
-@pytest.mark.parametrize("extra", [(), ("--micro-batch", 8), ("--gradient-checkpointing",)],
-                         ids=["prompts-shared", "two-prompts-a-call", "whole-rows"])
+@pytest.mark.parametrize(
+    "extra",
+    [(), ("--micro-batch", 8), ("--gradient-checkpointing",)],
+    ids=["prompts-shared", "two-prompts-a-call", "whole-rows"],
+)
 def test_first_step_loss_and_gradient_are_grpo_loss_by_hand(model_dir, tmp_path, monkeypatch, capsys, extra):
     """Step 1 against an independent computation on the rollout it sampled: rewards from the toy fns,
     advantages (r - mean) / (std + 1e-4) per group written out here, log-probs from the initial model's full
@@ -123,9 +155,14 @@ def test_first_step_loss_and_gradient_are_grpo_loss_by_hand(model_dir, tmp_path,
     sharing_off = [x for x in capsys.readouterr().out.splitlines() if x.startswith("prompt sharing off:")]
     checkpointing = "--gradient-checkpointing" in extra
     assert g["share"] is not checkpointing
-    assert sharing_off == ([] if not checkpointing else [
-        "prompt sharing off: gradient checkpointing: transformers drops the KV cache in training; "
-        "the log-prob passes run whole rows"])
+    assert sharing_off == (
+        []
+        if not checkpointing
+        else [
+            "prompt sharing off: gradient checkpointing: transformers drops the KV cache in training; "
+            "the log-prob passes run whole rows"
+        ]
+    )
     [(prompts, r)] = sampled
     [row] = read_metrics(out)
 
@@ -135,12 +172,21 @@ def test_first_step_loss_and_gradient_are_grpo_loss_by_hand(model_dir, tmp_path,
     model = LlamaForCausalLM.from_pretrained(model_dir).train()
     ids, mask, P = r.input_ids, r.attention_mask, r.prompt_ids.size(1)  # (N, P+C)
     logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
-    logp = logits[:, P - 1:-1].log_softmax(-1).gather(-1, r.completion_ids[..., None]).squeeze(-1)  # (N, C)
+    logp = logits[:, P - 1 : -1].log_softmax(-1).gather(-1, r.completion_ids[..., None]).squeeze(-1)  # (N, C)
     m = r.completion_mask
     assert_close_scaled(r.sample_logp, (logp * m).detach(), DECODE)  # sampled from the policy (conftest)
     w = grpo.behaviour_weights(logp.detach(), r.sample_logp, m)[0]
-    loss, _ = grpo.grpo_loss(logp, None, logp.detach(), adv.float(), m, grpo.Objective(max_len=12),
-                             behaviour_weights=w, num_sequences=torch.tensor(8.0), num_tokens=m.sum().float())
+    loss, _ = grpo.grpo_loss(
+        logp,
+        None,
+        logp.detach(),
+        adv.float(),
+        m,
+        grpo.Objective(max_len=12),
+        behaviour_weights=w,
+        num_sequences=torch.tensor(8.0),
+        num_tokens=m.sum().float(),
+    )
     loss.backward()
     grads = {n: q.grad for n, q in model.named_parameters()}
     norm = torch.cat([x.flatten() for x in grads.values()]).norm()
@@ -188,12 +234,24 @@ def test_another_architecture_trains_through_its_own_modules(model_dir, tmp_path
     lm_head, so it trains as it is; prompt sharing is on when the probe finds the KV cache path equal to
     whole rows, else one line says why. Either way the first pass is on-policy (fp32)."""
     from transformers import GPT2Config, GPT2LMHeadModel
+
     gpt2 = tmp_path / "gpt2"
     # no dropout (GPT-2's default is 0.1): the policy trains in train mode, and dropout would move its
     # log-probs away from the sampler's by ~0.1, hiding what this test looks at
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=len(toy.VOCAB), n_positions=64,
-                               resid_pdrop=0, embd_pdrop=0, attn_pdrop=0, bos_token_id=toy.BOS,
-                               eos_token_id=toy.EOS)).save_pretrained(gpt2)
+    GPT2LMHeadModel(
+        GPT2Config(
+            n_layer=1,
+            n_embd=16,
+            n_head=2,
+            vocab_size=len(toy.VOCAB),
+            n_positions=64,
+            resid_pdrop=0,
+            embd_pdrop=0,
+            attn_pdrop=0,
+            bos_token_id=toy.BOS,
+            eos_token_id=toy.EOS,
+        )
+    ).save_pretrained(gpt2)
     toy.make_tokenizer().save_pretrained(gpt2)
     g = run_script(TRAIN, train_args(str(gpt2), str(tmp_path / "out"), steps=1))
     [row] = read_metrics(str(tmp_path / "out"))
@@ -215,6 +273,7 @@ def test_eval_rows_at_start_every_n_steps_and_end(model_dir, tmp_path):
     assert all(r["eval/n_examples"] == 3 and 0 <= r["eval/format_rate"] <= 1 for r in evals)
     assert [r["step"] for r in rows if "reward" in r] == [1, 2]
 
+
 # -----------------------------------------------------------------------------
 # checkpoints and resume
 
@@ -224,8 +283,14 @@ def test_resume_in_a_fresh_process_is_exact(run4, model_dir, tmp_path):
     """2 steps, then --resume DIR --steps 4 in a new process == the 4-step run, metrics and weights."""
     out = str(tmp_path)
     run_script(TRAIN, train_args(model_dir, out, "--entropy-coef", 0.01, "--config", "save_every=2", steps=2))
-    proc = subprocess.run([sys.executable, TOY_TRAIN, "--resume", out, "--steps", "4"], cwd=REPO,
-                          env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, TOY_TRAIN, "--resume", out, "--steps", "4"],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows, want = read_metrics(out), read_metrics(run4)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
@@ -269,17 +334,41 @@ def test_a_kill_mid_save_keeps_the_last_good_checkpoint(model_dir, tmp_path, mon
     ckpt = torch.load(os.path.join(tmp_path, "ckpt.pt"), weights_only=True)
     assert ckpt["step"] == 1
 
+
 # -----------------------------------------------------------------------------
 # config files
 
 
 def test_config_file_sets_defaults_and_the_command_line_wins(model_dir, tmp_path):
     cfg = tmp_path / "cfg.py"
-    cfg.write_text(f"# lab notes\ngroup_size = 2  # small groups\nmax_new_tokens = 6\nlr = 5e-4\n"
-                   f"micro_batch = 2\nmodel = {model_dir!r}\nsave_every = 0  # a config-only key\n")
+    cfg.write_text(
+        f"# lab notes\ngroup_size = 2  # small groups\nmax_new_tokens = 6\nlr = 5e-4\n"
+        f"micro_batch = 2\nmodel = {model_dir!r}\nsave_every = 0  # a config-only key\n"
+    )
     out = str(tmp_path / "out")
-    g = run_script(TRAIN, ["--config", cfg, "--task", "toy", "--out-dir", out, "--steps", 1, "--lr", 1e-3,
-                           "--micro-batch", 4, "--eval-n", 0, "--dtype", "float32", "--device", "cpu"])
+    g = run_script(
+        TRAIN,
+        [
+            "--config",
+            cfg,
+            "--task",
+            "toy",
+            "--out-dir",
+            out,
+            "--steps",
+            1,
+            "--lr",
+            1e-3,
+            "--micro-batch",
+            4,
+            "--eval-n",
+            0,
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+        ],
+    )
     a = g["args"]
     assert (a.group_size, a.max_new_tokens, a.model) == (2, 6, model_dir)  # from the file
     assert (a.lr, a.micro_batch) == (1e-3, 4)  # the command line over the file
@@ -295,12 +384,16 @@ def test_later_config_file_wins(model_dir, tmp_path):
     argv = train_args(model_dir, str(tmp_path / "out"), steps=1)
     for flag in ("--max-new-tokens", "--lr"):
         i = argv.index(flag)
-        del argv[i:i + 2]
+        del argv[i : i + 2]
     g = run_script(TRAIN, ["--config", tmp_path / "base.py", "--config", tmp_path / "ablation.py", *argv])
     assert (g["args"].max_new_tokens, g["args"].lr) == (3, 5e-4)
     # an inline name=value is one more config, in order: after the files it wins, before them it loses
-    for i, (configs, want) in enumerate([(["--config", tmp_path / "base.py", "--config", "max_new_tokens=2"], 2),
-                                         (["--config", "max_new_tokens=2", "--config", tmp_path / "ablation.py"], 3)]):
+    for i, (configs, want) in enumerate(
+        [
+            (["--config", tmp_path / "base.py", "--config", "max_new_tokens=2"], 2),
+            (["--config", "max_new_tokens=2", "--config", tmp_path / "ablation.py"], 3),
+        ]
+    ):
         argv[argv.index("--out-dir") + 1] = str(tmp_path / f"out{i}")
         assert run_script(TRAIN, [*configs, *argv])["args"].max_new_tokens == want
 
@@ -310,16 +403,20 @@ def test_save_every_zero_saves_nothing(model_dir, tmp_path):
     assert len(read_metrics(str(tmp_path))) == 2 and not os.path.exists(os.path.join(tmp_path, "ckpt.pt"))
 
 
-@pytest.mark.parametrize("line, message", [
-    ("bogus_key = 1", "unknown key 'bogus_key'"),
-    ("lr = 1e-3 * 2", "the value of 'lr' must be a literal"),
-    ("lr = some_name", "the value of 'lr' must be a literal"),
-    ("import os", "only `name = value` lines"),
-    ("group_size = ", "cannot read config"),
-    # values for flags with choices must be checked too: argparse checks choices only on the command line
-    ("task = 'nope'", "task"),
-    ("loss_type = 'nope'", "--loss-type 'nope': choose from"),
-], ids=["unknown-key", "expression", "name", "import", "syntax", "bad-task-choice", "bad-loss-type-choice"])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("bogus_key = 1", "unknown key 'bogus_key'"),
+        ("lr = 1e-3 * 2", "the value of 'lr' must be a literal"),
+        ("lr = some_name", "the value of 'lr' must be a literal"),
+        ("import os", "only `name = value` lines"),
+        ("group_size = ", "cannot read config"),
+        # values for flags with choices must be checked too: argparse checks choices only on the command line
+        ("task = 'nope'", "task"),
+        ("loss_type = 'nope'", "--loss-type 'nope': choose from"),
+    ],
+    ids=["unknown-key", "expression", "name", "import", "syntax", "bad-task-choice", "bad-loss-type-choice"],
+)
 def test_config_file_errors_are_one_line(model_dir, tmp_path, capsys, line, message):
     cfg = tmp_path / "cfg.py"
     cfg.write_text(f"steps = 1\n{line}\n")
@@ -327,29 +424,46 @@ def test_config_file_errors_are_one_line(model_dir, tmp_path, capsys, line, mess
     flag = "--" + line.split("=")[0].strip().replace("_", "-")
     if flag in argv:  # leave the key to the file: the command line would win
         i = argv.index(flag)
-        del argv[i:i + 2]
+        del argv[i : i + 2]
     code, last = train_error(["--config", cfg, *argv], capsys)
     assert code != 0 and "error:" in last and message in last, last
+
 
 # -----------------------------------------------------------------------------
 # user mistakes: a non-zero exit and a one-line message, never a traceback
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--task", "nope"], "invalid choice: 'nope'"),
-    (["--model", "{tmp}/no/such/model"], "smollm2-135m"),
-    (["--group-size", 1], "--group-size must be >= 2"),
-    (["--micro-batch", 3], "--micro-batch 3 must divide the 8 completions"),
-    (["--eps", 0.2, "--eps-high", 0.1], "--eps-high 0.1 < --eps 0.2"),
-    (["--loss-type", "nope"], "invalid choice: 'nope'"),
-    (["--resume", "{tmp}/missing"], "--resume"),
-    (["--resume", "{tmp}/corrupt"], "not a checkpoint train.py wrote; nothing in it ran"),
-    (["--out-dir", "{tmp}/afile/sub"], "is not writable"),
-    (["--device", "cuda"], "device 'cuda' is not usable here"),
-    (["--top-entropy-quantile", 0], "--top-entropy-quantile must be (0, 1], got 0.0"),
-    (["--mu", 0], "--mu must be >= 1, got 0"),
-], ids=["task", "model", "group-size", "micro-batch", "eps-high", "loss-type", "resume-missing",
-        "resume-corrupt", "out-dir", "cuda", "entropy-quantile", "mu"])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--task", "nope"], "invalid choice: 'nope'"),
+        (["--model", "{tmp}/no/such/model"], "smollm2-135m"),
+        (["--group-size", 1], "--group-size must be >= 2"),
+        (["--micro-batch", 3], "--micro-batch 3 must divide the 8 completions"),
+        (["--eps", 0.2, "--eps-high", 0.1], "--eps-high 0.1 < --eps 0.2"),
+        (["--loss-type", "nope"], "invalid choice: 'nope'"),
+        (["--resume", "{tmp}/missing"], "--resume"),
+        (["--resume", "{tmp}/corrupt"], "not a checkpoint train.py wrote; nothing in it ran"),
+        (["--out-dir", "{tmp}/afile/sub"], "is not writable"),
+        (["--device", "cuda"], "device 'cuda' is not usable here"),
+        (["--top-entropy-quantile", 0], "--top-entropy-quantile must be (0, 1], got 0.0"),
+        (["--mu", 0], "--mu must be >= 1, got 0"),
+    ],
+    ids=[
+        "task",
+        "model",
+        "group-size",
+        "micro-batch",
+        "eps-high",
+        "loss-type",
+        "resume-missing",
+        "resume-corrupt",
+        "out-dir",
+        "cuda",
+        "entropy-quantile",
+        "mu",
+    ],
+)
 def test_bad_input_is_a_one_line_error(model_dir, tmp_path, capsys, monkeypatch, extra, message):
     if extra == ["--device", "cuda"] and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -361,17 +475,30 @@ def test_bad_input_is_a_one_line_error(model_dir, tmp_path, capsys, monkeypatch,
     code, last = train_error(train_args(model_dir, str(tmp_path / "out"), steps=1) + extra, capsys)
     assert code != 0 and "error:" in last and message in last, last
 
+
 # -----------------------------------------------------------------------------
 # objective variants: one step each, each flag seen in the loss
 
 
-DEFAULT = {"beta": 0.04, "level": "token", "loss_type": "grpo", "eps_high": 0.2, "delta": None, "quantile": 1.0,
-           "mask_truncated": False, "scale": "group"}
+DEFAULT = {
+    "beta": 0.04,
+    "level": "token",
+    "loss_type": "grpo",
+    "eps_high": 0.2,
+    "delta": None,
+    "quantile": 1.0,
+    "mask_truncated": False,
+    "scale": "group",
+}
 VARIANTS = [  # (flags, the options of the hand computation below that they change)
-    (["--mu", 2], {}), (["--beta", 0], {"beta": 0}), (["--config", "ref_sync_every=1"], {}),
+    (["--mu", 2], {}),
+    (["--beta", 0], {"beta": 0}),
+    (["--config", "ref_sync_every=1"], {}),
     (["--mu", 2, "--importance-level", "sequence"], {"level": "sequence"}),  # at mu 1 every ratio is 1
-    (["--loss-type", "dapo"], {"loss_type": "dapo"}), (["--loss-type", "dr_grpo"], {"loss_type": "dr_grpo"}),
-    (["--mask-truncated"], {"mask_truncated": True}), (["--top-entropy-quantile", 0.5], {"quantile": 0.5}),
+    (["--loss-type", "dapo"], {"loss_type": "dapo"}),
+    (["--loss-type", "dr_grpo"], {"loss_type": "dr_grpo"}),
+    (["--mask-truncated"], {"mask_truncated": True}),
+    (["--top-entropy-quantile", 0.5], {"quantile": 0.5}),
     (["--scale-rewards", "batch"], {"scale": "batch"}),
     # the second pass at lr 3e-3 has ratios in (1.2, 1.28] with A > 0 and above 1.3 with A < 0 (measured up to 1.7)
     (["--mu", 2, "--lr", 3e-3, "--eps-high", 0.28, "--delta", 1.3], {"eps_high": 0.28, "delta": 1.3}),
@@ -398,8 +525,10 @@ def hand_loss(call, adv, m, n_tok, beta, level, loss_type, eps_high, delta, quan
     """One micro-batch's loss by DeepSeekMath eq. 3 written out in float64 (eps 0.2; k3 with x clamped to +-20 and
     k3 to <= 10; the recorded behaviour weights) over a batch of 8 rows of <= 12 new tokens, n_tok of them valid
     -> (loss, the same aggregate of |terms|: the size fp32's rounding of the loss is relative to)."""
+
     def f(x):
         return torch.where(m, x.detach().double(), 0.0)
+
     logp = f(call["logp"])
     log_ratio = logp - (logp if call["old_logp"] is None else f(call["old_logp"]))  # (n, c)
     if level == "sequence":  # GSPO: the row's mean log-ratio on every token of the row
@@ -416,8 +545,12 @@ def hand_loss(call, adv, m, n_tok, beta, level, loss_type, eps_high, delta, quan
 
     def agg(t):
         t = torch.where(m, t, 0.0)
-        return {"grpo": (t.sum(1) / m.sum(1).clamp(min=1)).sum() / 8, "dapo": t.sum() / n_tok,
-                "dr_grpo": t.sum() / (8 * 12)}[loss_type].item()
+        return {
+            "grpo": (t.sum(1) / m.sum(1).clamp(min=1)).sum() / 8,
+            "dapo": t.sum() / n_tok,
+            "dr_grpo": t.sum() / (8 * 12),
+        }[loss_type].item()
+
     return agg(terms), agg(terms.abs())
 
 
@@ -432,6 +565,7 @@ def test_variant_runs_one_step_and_reaches_the_loss(model_dir, tmp_path, monkeyp
         out = real(*a, **k)
         calls.append({**inspect.signature(real).bind(*a, **k).arguments, "loss": out[0].item()})
         return out
+
     monkeypatch.setattr(grpo, "grpo_loss", spy)
     g = run_script(TRAIN, train_args(model_dir, str(tmp_path), *extra, steps=1))
     [row] = read_metrics(str(tmp_path))
@@ -476,10 +610,12 @@ def test_variant_runs_one_step_and_reaches_the_loss(model_dir, tmp_path, monkeyp
         else:
             gaps = []
             for j, call in enumerate(calls):
-                (a, size), (b, _) = (hand_loss(call, adv[rows[j]], masks[j], n_tok, **x)
-                                     for x in (o, {**o, key: DEFAULT[key]}))
+                (a, size), (b, _) = (
+                    hand_loss(call, adv[rows[j]], masks[j], n_tok, **x) for x in (o, {**o, key: DEFAULT[key]})
+                )
                 gaps.append(abs(a - b) / (1e-5 * size))
             assert max(gaps) > 10, (key, gaps)
+
 
 # -----------------------------------------------------------------------------
 # torchrun: two CPU processes (gloo)
@@ -516,8 +652,10 @@ def test_torchrun_prompts_not_divisible_by_ranks_fails_clearly(model_dir, tmp_pa
 def test_cosine_schedule_by_hand(model_dir, tmp_path):
     """Warmup 1 update, then cosine from 1 to 0.1 over the remaining 3 of 4 updates: the logged lr of
     updates 0..3 is lr * [1/2, 1, (0.1 + 0.45 * (1 + cos(pi/2))) = 0.55, 0.1]."""
-    run_script(TRAIN, train_args(model_dir, str(tmp_path), "--config", "warmup_steps=1", "--config",
-                                 "lr_schedule='cosine'", steps=4))
+    run_script(
+        TRAIN,
+        train_args(model_dir, str(tmp_path), "--config", "warmup_steps=1", "--config", "lr_schedule='cosine'", steps=4),
+    )
     assert [r["lr"] for r in read_metrics(str(tmp_path))] == pytest.approx([5e-4, 1e-3, 5.5e-4, 1e-4])
 
 
@@ -526,10 +664,12 @@ def test_lower_lr_warning_after_three_runaway_steps(tmp_path, capsys):
     the 2nd, not again at the 4th; a step at or below 1 starts the count over; each key counts on its own; an
     eval row (no "reward") neither counts nor breaks a streak. Every row lands in metrics.jsonl, nan/inf as null."""
     import run
+
     kl = [2, 2, 2, 2, 1.0, 1.5, 1.5, 1.5, 0.2, 2, 2]  # above 1 at steps 1-4 (warn at 3), 6-8 (warn at 8), 10-11
     p99 = [0.5, 0.5, 2, 2, 2, 0.9, 3, 3, 0, 2, 2]  # above 1 at steps 3-5 (warn at 5), 7-8, 10-11
-    rows = [{"step": s, "reward": 0.5, "kl": float(k), "dlogp_p99": float(d)}
-            for s, (k, d) in enumerate(zip(kl, p99), 1)]
+    rows = [
+        {"step": s, "reward": 0.5, "kl": float(k), "dlogp_p99": float(d)} for s, (k, d) in enumerate(zip(kl, p99), 1)
+    ]
     rows[0]["loss"], rows[1]["grad_norm"], rows[2]["loss"] = math.nan, math.inf, -math.inf
     rows.insert(2, {"step": 2, "eval/strict_acc": 0.5, "kl": 5.0})  # would make step 2 the 3rd if it counted
     rows.insert(8, {"step": 6, "eval/strict_acc": 0.5, "kl": 0.0})  # would break steps 6-8 if it counted

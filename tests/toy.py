@@ -19,17 +19,24 @@ SPECIALS = ["<|endoftext|>", "<bos>", "<|im_start|>", "<|im_end|>", "<unk>"]
 WORDS = [f"w{i}" for i in range(40)]
 VOCAB = {t: i for i, t in enumerate(SPECIALS + ["system", "user", "assistant"] + WORDS)}  # 48 tokens
 EOS, BOS = VOCAB["<|im_end|>"], VOCAB["<bos>"]
-CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
-                 "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}")
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
 
 
 def make_tokenizer():
     """Whitespace word-level tokenizer, pad == eos (as SmolLM2), a ChatML-like template."""
     tk = Tokenizer(WordLevel(VOCAB, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<|im_end|>",
-                                  pad_token="<|im_end|>", unk_token="<unk>",
-                                  additional_special_tokens=["<|endoftext|>", "<|im_start|>"])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=tk,
+        bos_token="<bos>",
+        eos_token="<|im_end|>",
+        pad_token="<|im_end|>",
+        unk_token="<unk>",
+        additional_special_tokens=["<|endoftext|>", "<|im_start|>"],
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
@@ -37,10 +44,20 @@ def make_tokenizer():
 def make_model(seed=0, init_std=0.1):
     """2-layer Llama, hidden 32, tied embeddings; init_std above HF's 0.02 so outputs depend on the prompt."""
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, initializer_range=init_std,
-                      bos_token_id=BOS, eos_token_id=EOS, pad_token_id=EOS)
+    cfg = LlamaConfig(
+        vocab_size=len(VOCAB),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=init_std,
+        bos_token_id=BOS,
+        eos_token_id=EOS,
+        pad_token_id=EOS,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
@@ -49,6 +66,7 @@ def save_tiny(path):
     make_model().save_pretrained(path)
     make_tokenizer().save_pretrained(path)
     return str(path)
+
 
 # -----------------------------------------------------------------------------
 # the toy task: "w3 w8" -> answer "even" / "odd" (the parity of the sum of the two indices)
@@ -92,8 +110,12 @@ def parity(word):
 def score(completion, example):
     words = [w for w in completion.split() if _index(w) is not None]
     pred = parity(words[0]) if words else None
-    return {"pred": pred, "strict": pred == example["answer"],
-            "flexible": any(parity(w) == example["answer"] for w in words), "format": pred is not None}
+    return {
+        "pred": pred,
+        "strict": pred == example["answer"],
+        "flexible": any(parity(w) == example["answer"] for w in words),
+        "format": pred is not None,
+    }
 
 
 TASK = Task(load, prompt, {"even": frac_even, "first": first_parity}, {"even": 1.0, "first": 0.5}, score)
@@ -117,6 +139,7 @@ def run_script(path, argv):
     import signal
     import sys
     from tasks import TASKS
+
     old_argv, threads, added = sys.argv, torch.get_num_threads(), "toy" not in TASKS
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}  # the script sets its own
     TASKS["toy"] = TASK
@@ -130,6 +153,7 @@ def run_script(path, argv):
         for s, h in handlers.items():
             signal.signal(s, h)
         import run  # a process releases its out dir's lock when it ends; an in-process run when it returns
+
         while run.HELD:
             run.HELD.pop().close()
         if added:
@@ -142,6 +166,7 @@ def run_script(path, argv):
 def error_of(path, argv, capsys):
     """(exit code, last stderr line) of a script that must end in SystemExit; no traceback."""
     import pytest
+
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         run_script(path, argv)
@@ -153,15 +178,47 @@ def error_of(path, argv, capsys):
 
 def train_args(model_dir, out_dir, *extra, steps=2):
     """The tiny run: 2 prompts x G=4, micro-batch 4, 12 new tokens, fp32, no eval, the HF export at the end."""
-    return ["--task", "toy", "--model", model_dir, "--out-dir", out_dir, "--steps", steps, "--group-size", 4,
-            "--prompts-per-step", 2, "--micro-batch", 4, "--max-new-tokens", 12, "--eval-n", 0,
-            "--dtype", "float32", "--device", "cpu", "--lr", 1e-3, "--config", "log_completions=1",
-            "--config", "export=model", *extra]
+    return [
+        "--task",
+        "toy",
+        "--model",
+        model_dir,
+        "--out-dir",
+        out_dir,
+        "--steps",
+        steps,
+        "--group-size",
+        4,
+        "--prompts-per-step",
+        2,
+        "--micro-batch",
+        4,
+        "--max-new-tokens",
+        12,
+        "--eval-n",
+        0,
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+        "--lr",
+        1e-3,
+        "--config",
+        "log_completions=1",
+        "--config",
+        "export=model",
+        *extra,
+    ]
 
 
 def subprocess_env():
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1",
-            "TOKENIZERS_PARALLELISM": "false"}
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 def torchrun(args, timeout=300, **env):
@@ -171,22 +228,35 @@ def torchrun(args, timeout=300, **env):
     the agent alone would leave them running and holding the output pipes), and the test fails saying so."""
     import subprocess
     import sys
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", TOY_TRAIN, *map(str, args)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**subprocess_env(), **env}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=localhost:0",
+        TOY_TRAIN,
+        *map(str, args),
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env={**subprocess_env(), **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.terminate()
         out, err = proc.communicate(timeout=60)
-        raise AssertionError(f"torchrun did not finish in {timeout} s (a loaded machine?); stderr: {err[-2000:]}") \
-            from None
+        raise AssertionError(
+            f"torchrun did not finish in {timeout} s (a loaded machine?); stderr: {err[-2000:]}"
+        ) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def read_metrics(out_dir):
     import json
+
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f]
 
@@ -196,6 +266,7 @@ def fail(error):
     handler runs here, in whatever the script was doing."""
     import signal
     import time
+
     if not isinstance(error, signal.Signals):
         raise error
     os.kill(os.getpid(), error)
@@ -207,6 +278,7 @@ def save_that_fails(error, fraction):
     """A torch.save that writes the first checkpoint whole, then only `fraction` of the next one's bytes
     before failing with `error` (a signal, a full disk: see fail), with the calls' paths in .calls."""
     import io
+
     real_save, calls = torch.save, []
 
     def save(obj, path, *a, **kw):
@@ -216,10 +288,12 @@ def save_that_fails(error, fraction):
         buf = io.BytesIO()
         real_save(obj, buf)
         with open(path, "wb") as f:
-            f.write(buf.getvalue()[:int(len(buf.getvalue()) * fraction)])
+            f.write(buf.getvalue()[: int(len(buf.getvalue()) * fraction)])
         fail(error)
+
     save.calls = calls
     return save
+
 
 # -----------------------------------------------------------------------------
 # the toy task with tools: a stub of tools.ToolEnv on word tokens (real tag parsing needs a real tokenizer)

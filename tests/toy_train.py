@@ -20,5 +20,7 @@ TASKS["toy_tool"] = toy.TOOL_TASK  # the toy task with a stub tool (toy.WordTool
 sys.argv[0] = os.path.join(toy.REPO, "train.py")
 g = runpy.run_path(sys.argv[0], run_name="__main__")
 if os.environ.get("TOY_DUMP_PARAMS"):
-    torch.save({k: v.detach().cpu().clone() for k, v in g["policy"].state_dict().items()},
-               f"{os.environ['TOY_DUMP_PARAMS']}.rank{g['rank']}.pt")
+    torch.save(
+        {k: v.detach().cpu().clone() for k, v in g["policy"].state_dict().items()},
+        f"{os.environ['TOY_DUMP_PARAMS']}.rank{g['rank']}.pt",
+    )
