@@ -27,7 +27,11 @@ class ModelError(ValueError):
 def resolve_device(name, local_rank=None):
     """'auto' picks cuda, then mps, then cpu; anything else must exist here. Under torchrun: the local rank's GPU."""
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        name = "cpu"
+        if torch.backends.mps.is_available():
+            name = "mps"
+        if torch.cuda.is_available():
+            name = "cuda"
     try:
         device = torch.device(name)
         if device.type == "cuda" and local_rank is not None:

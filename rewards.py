@@ -91,11 +91,8 @@ def overlong_reward(max_len, buffer):
     if max_len < 1 or not 0 < buffer <= max_len:
         raise ValueError(f"overlong reward needs max_len >= 1 and 0 < buffer <= max_len, got {max_len=}, {buffer=}")
 
-    def overlong(completions, num_tokens, **_):
-        return [
-            0.0 if n <= max_len - buffer else -1.0 if n > max_len else (max_len - buffer - n) / buffer
-            for n in map(float, num_tokens)
-        ]
+    def overlong(completions, num_tokens, **_):  # (L - B - |y|) / B, between 0 and -1, then -1 past L
+        return [min(0.0, (max_len - buffer - n) / buffer) if n <= max_len else -1.0 for n in num_tokens]
 
     return overlong
 
@@ -104,7 +101,8 @@ def overlong_reward(max_len, buffer):
 def parse_weights(spec, reward_fns):
     """ "correct=1,format=0.1" -> {name: weight}; ValueError names the item that is not name=finite number."""
     weights = {}
-    for item in spec.split(",") if spec else []:
+    items = spec.split(",") if spec else []
+    for item in items:
         name, _, w = item.partition("=")
         try:
             weights[name] = float(w)

@@ -141,6 +141,14 @@ def _in_range(v, spec):
     return v > float(bound) if op == ">" else v >= float(bound)
 
 
+def _kind(action):  # the type a flag's value must have: its own, bool for a switch, else str
+    if action.type in KINDS:
+        return action.type
+    if action.const in (True, False):
+        return bool
+    return str
+
+
 def check(p, args, ranges, constants=None, nullable=None):
     """Every value's type (config files bypass argparse's conversion), choices and range -> p.error. A number is
     >= 0 unless `ranges` says otherwise."""
@@ -148,7 +156,7 @@ def check(p, args, ranges, constants=None, nullable=None):
         (
             a.dest,
             a.option_strings[-1],
-            a.type if a.type in KINDS else bool if a.const in (True, False) else str,
+            _kind(a),
             a.choices,
             ranges.get(a.dest, ">= 0"),
             a.default is None if nullable is None else a.dest in nullable,
@@ -394,7 +402,16 @@ def all_reduce(x, op="mean"):
 
 
 def reduce_op(name):  # how a metric is summarised over micro-batches and processes: *_max, *_min, else the mean
-    return "max" if name.endswith("_max") else "min" if name.endswith("_min") else "mean"
+    if name.endswith(("_max", "_min")):
+        return name[-3:]
+    return "mean"
+
+
+def reduce(name, values):  # a metric's values over micro-batches -> one value, as reduce_op(name) says
+    op = reduce_op(name)
+    if op == "mean":
+        return sum(values) / len(values)
+    return max(values) if op == "max" else min(values)
 
 
 class MetricsLog:
@@ -416,7 +433,8 @@ class MetricsLog:
     def write(self, row):
         """One row; a training row's KL to the reference, or p99 gap to the sampler, above 1 (far above a
         healthy run's) for 3 steps in a row prints a warning that says: lower --lr."""
-        for k in ("kl", "dlogp_p99") if "reward" in row else ():
+        watched = ("kl", "dlogp_p99") if "reward" in row else ()  # training rows only
+        for k in watched:
             self.streak[k] = self.streak.get(k, 0) + 1 if (row.get(k) or 0) > 1.0 else 0
             if self.streak[k] == 3:
                 tqdm.write(

@@ -2,8 +2,7 @@
 name to a `Task`. To add one: a `load`, a system prompt, reward fns, a `TASKS` line.
 - gsm8k: grade-school math (Cobbe et al. 2021, github.com/openai/grade-school-math).
 - arith: generated "What is 7 + 5?": a 135M model knows sums, rarely writes `#### N`: it learns on a CPU in minutes.
-- arith_steps: "What is 3 + 4 * 2 - 5?", a reward per line (process supervision, steps.py); arith_tool: "What is 482 *
-  937?" with a calculator (tools.py); arith_mul: the same without it."""
+Other tasks (process supervision, tools, ...) live in extra_tasks.py, imported only when one is named."""
 
 import hashlib
 import json
@@ -40,43 +39,10 @@ SYSTEM_PROMPT = (
 ARITH_SYSTEM_PROMPT = (
     "Answer the question. End with a final line: #### <number>\nExample:\nWhat is 3 + 4?\n3 + 4 = 7\n#### 7"
 )
-MUL_SYSTEM_PROMPT = "Answer the question. End with a final line: #### <number>\nExample:\nWhat is 12 * 34?\n#### 408"
-TOOL_SYSTEM_PROMPT = "Answer the question. Use the calculator for arithmetic. End with a final line: #### <number>"
 
 
 def chat_prompt(system, example):
     return [{"role": "system", "content": system}, {"role": "user", "content": example["question"]}]
-
-
-def tool_prompt(example):  # one worked call as earlier turns (HF's tool-call format): else a 135M model rarely calls
-    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1234 * 56"}}}
-    return [
-        {"role": "system", "content": TOOL_SYSTEM_PROMPT},
-        {"role": "user", "content": "What is 1234 * 56?"},
-        {"role": "assistant", "content": "", "tool_calls": [call]},
-        {"role": "tool", "content": "69104"},
-        {"role": "assistant", "content": "#### 69104"},
-        {"role": "user", "content": example["question"]},
-    ]
-
-
-def _steps(name):  # process supervision's task lives in steps.py, imported when that task runs
-    def call(*args, **kwargs):
-        import steps
-
-        return getattr(steps, name)(*args, **kwargs)
-
-    return call
-
-
-def tool_reward(completions, tool_calls, tool_errors, **_):  # 1.0 where a tool call ran (an error's reply aside)
-    return [float(c > e) for c, e in zip(tool_calls, tool_errors)]
-
-
-def calculator(tokenizer, max_calls=4):  # a task's tools in their environment; imports tools.py only when run
-    import tools
-
-    return tools.ToolEnv([tools.calculator], tokenizer, max_calls)
 
 
 class DataError(ValueError):
@@ -90,7 +56,7 @@ class Task(NamedTuple):
     reward_weights: dict  # name -> default weight (train.py --reward-weights overrides by name)
     score: Callable  # score(completion, example) -> dict for eval.py
     step_rewards: Callable | None = None  # (completion, example) -> [(char_end, reward), ...]: see step_positions
-    tools: Callable | None = None  # (tokenizer, max_calls) -> a tools.ToolEnv of the task's tools, plain functions
+    tools: Callable | None = None  # (tokenizer, max_calls) -> an envs.ToolEnv of the task's tools
 
 
 def check_generated(split, ops="+", n=None, data_dir=None):  # a generator's checks -> n: 200 test / 10,000 train
@@ -100,7 +66,9 @@ def check_generated(split, ops="+", n=None, data_dir=None):  # a generator's che
         raise ValueError(f"unknown split {split!r}; valid splits: ['train', 'test']")
     if not ops or set(ops) - set("+-*"):
         raise ValueError(f"unknown arith operator(s) {sorted(set(ops) - set('+-*'))}; use a string of +-*, e.g. '+-'")
-    return n if n is not None else (200 if split == "test" else 10_000)
+    if n is None:
+        n = 200 if split == "test" else 10_000
+    return n
 
 
 # gsm8k: from a local copy, or downloaded once and checked by sha256
@@ -146,13 +114,11 @@ def load_gsm8k(split, data_dir=None):
         except UnicodeDecodeError as e:
             raise DataError(f"{path}:{lineno}: byte {raw[e.start]:#04x} is not UTF-8; save the file as UTF-8") from None
         except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError too
-            why = (
-                f"not valid JSON ({e.msg})"
-                if isinstance(e, json.JSONDecodeError)
-                else str(e)
-                if isinstance(e, ValueError)
-                else f"{type(e).__name__}: {e}"
-            )
+            why = f"{type(e).__name__}: {e}"  # a KeyError, a TypeError
+            if isinstance(e, ValueError):
+                why = str(e)
+            if isinstance(e, json.JSONDecodeError):
+                why = f"not valid JSON ({e.msg})"
             raise DataError(f"{path}:{lineno}: {why}; expected an object with 'question' and 'answer'") from None
     if not examples:
         raise DataError(f"no examples in {path}; {GSM8K_HINT}")
@@ -213,24 +179,6 @@ REWARDS, WEIGHTS = {"correct": correctness_reward, "format": format_reward}, {"c
 TASKS = {  # each task its own dicts: editing one task's weights leaves the others
     "gsm8k": Task(load_gsm8k, partial(chat_prompt, SYSTEM_PROMPT), dict(REWARDS), dict(WEIGHTS), score),
     "arith": Task(load_arith, partial(chat_prompt, ARITH_SYSTEM_PROMPT), dict(REWARDS), dict(WEIGHTS), score),
-    "arith_steps": Task(
-        _steps("load_arith_steps"), _steps("prompt"), dict(REWARDS), dict(WEIGHTS), score, _steps("arith_step_rewards")
-    ),
-    "arith_tool": Task(
-        partial(load_arith, digits=3, ops="*"),
-        tool_prompt,
-        {**REWARDS, "tool": tool_reward},
-        {**WEIGHTS, "tool": 0.2},
-        score,
-        tools=calculator,
-    ),  # a call that ran: worth a little
-    "arith_mul": Task(
-        partial(load_arith, digits=3, ops="*"),
-        partial(chat_prompt, MUL_SYSTEM_PROMPT),
-        dict(REWARDS),
-        dict(WEIGHTS),
-        score,
-    ),
 }
 
 
@@ -257,7 +205,7 @@ def evaluate(
 ):
     """Score `examples` -> (summary, one record per example); n=1 is greedy, n>1 samples n completions
     each (mean accuracies, pass@k). dtype: sampling's compute dtype. progress: a bar on stderr. A task with
-    tools runs them (env: a tools.ToolEnv, else one with its defaults): the rate of samples that called one too."""
+    tools runs them (env: an envs.ToolEnv, else one with its defaults): the rate of samples that called one too."""
     env = task.tools(tokenizer) if task.tools and env is None else env
     stops = stop_token_ids(tokenizer, model)
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)

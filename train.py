@@ -22,7 +22,7 @@ fmt = type("Help", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 p = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
 p.add_argument("--config", action="append", default=[], help="a file of `name = value` lines, or name=value")
 g = p.add_argument_group("task and model")
-g.add_argument("--task", default="gsm8k", choices=sorted(TASKS), help="tasks.py")
+g.add_argument("--task", default="gsm8k", help="tasks.py, extra_tasks.py")
 g.add_argument("--data-dir", default=None, help="local GSM8K dir (else $GSM8K_DIR, else download once)")
 g.add_argument("--model", default="smollm2-135m", help="hub id, local HF dir, .gguf file or smollm2-135m")
 g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:1 | mps")
@@ -81,7 +81,7 @@ CONSTANTS = {  # knobs few would sweep: (default, range or choices); set in a co
     "sapo_temperature_pos": (1.0, "> 0"),
     "sapo_temperature_neg": (1.05, "> 0"),
     "max_tool_calls": (4, ">= 1"),
-}  # a task with tools: a row's next call ends it (tools.py)
+}  # a task with tools: a row's next call ends it (envs.py)
 RANGES = {
     "group_size": ">= 2",
     "prompts_per_step": ">= 1",
@@ -102,7 +102,15 @@ run.exit_on_interrupt(partial(run.last_checkpoint, args.out_dir, args.steps))  #
 # --- setup: processes, the checks that need more than one flag, device and dtype, the out dir
 ddp = int(os.environ.get("WORLD_SIZE", 1)) > 1
 rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
-master, task, G, local_prompts = rank == 0, TASKS[args.task], args.group_size, args.prompts_per_step // world
+master, G, local_prompts = rank == 0, args.group_size, args.prompts_per_step // world
+task = TASKS.get(args.task)
+if task is None:  # the other tasks, imported only when named
+    import extra_tasks
+
+    try:
+        task = extra_tasks.get(args.task)
+    except ValueError as e:
+        p.error(str(e))
 N = local_prompts * G  # completions per rank per step
 for bad, why in [  # one line each, before anything loads
     (args.prompts_per_step % world, f"--prompts-per-step must be a multiple of the {world} processes"),
@@ -164,7 +172,7 @@ if ddp:
 if args.fsdp or args.lora_rank or ddp:
     import scale
 gathered = scale.gathered if args.fsdp else nullcontext  # --fsdp: sampling needs whole weights
-env = task.tools(tokenizer, args.max_tool_calls) if task.tools else None  # a ToolEnv (tools.py) feeds tool replies
+env = task.tools(tokenizer, args.max_tool_calls) if task.tools else None  # a ToolEnv (envs.py) feeds tool replies
 torch.manual_seed(args.seed + rank)
 autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
@@ -174,21 +182,16 @@ try:
     policy = load_model(args.model, home, torch.float32, matmul_dtype=dtype if args.lora_rank else None)  # fp32 master
     if args.lora_rank:  # the same adapters on every rank; the reference is the base, adapters off
         policy = scale.add_lora(policy, args.lora_rank, seed=args.seed)
-    ref = (
-        None
-        if args.beta == 0
-        else policy
-        if args.lora_rank
-        else load_model(  # matmul weights as autocast casts
-            args.model,
-            home if args.fsdp else ref_device,
-            dtype if args.fsdp else torch.float32,
-            trainable=False,
-            matmul_dtype=rdt,
-        )
-    )
-    for m in [policy] + ([ref] if ref is not None else []) if args.fsdp else []:
-        scale.shard(m, device, dtype)  # each decoder layer a unit, the root the rest (scale.py)
+    ref = None  # beta 0: no reference model
+    if args.beta and args.lora_rank:
+        ref = policy  # run with its adapters off
+    elif args.beta and args.fsdp:
+        ref = load_model(args.model, home, dtype, trainable=False, matmul_dtype=rdt)  # sharded below
+    elif args.beta:  # matmul weights as autocast casts them
+        ref = load_model(args.model, ref_device, torch.float32, trainable=False, matmul_dtype=rdt)
+    if args.fsdp:  # each decoder layer a unit, the root the rest (scale.py)
+        for m in [x for x in (policy, ref) if x is not None]:
+            scale.shard(m, device, dtype)
     if args.gradient_checkpointing:
         policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     policy.train(args.gradient_checkpointing)  # eval mode, so no dropout (as TRL), except for HF's checkpointing
@@ -336,9 +339,9 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     adv, frac_zero = grpo.group_advantages(all_rewards, G, args.scale_rewards)
     adv = adv[rank * N : (rank + 1) * N, None]  # (N, 1)
     if args.supervision == "process":  # per-token advantages (N, C) from the task's step rewards (§4.1.3)
-        import steps  # the steps' token positions: imported only when asked
+        import extra_tasks  # the steps' token positions: imported only when asked
 
-        ends, values, smask = steps.step_positions(
+        ends, values, smask = extra_tasks.step_positions(
             task.step_rewards, tokenizer, r.completion_ids, lengths - (~r.truncated).long(), r.completions, examples, G
         )
         adv, row["reward/step"] = grpo.process_advantages(values, ends, smask, G, C).to(device), values[smask].mean()
@@ -396,10 +399,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     if not skip:  # |sampling log-prob - training log-prob| of the first pass, over the whole batch
         row.update(grpo.behaviour_weights(first_logp, r.sample_logp, r.completion_mask, "none")[1])
     row.update(
-        {
-            k: max(v) if run.reduce_op(k) == "max" else min(v) if run.reduce_op(k) == "min" else sum(v) / len(v)
-            for k, v in stats.items()
-        },
+        {k: run.reduce(k, v) for k, v in stats.items()},
         loss=sum(stats.get("loss", [0])) / args.mu,
         reward=rewards.mean(),
         reward_std=all_rewards.std(),

@@ -1,4 +1,4 @@
-# SmolLM2-135M-Instruct learns to call a calculator (tools.py) for 3-digit multiplication, offline on a CPU.
+# SmolLM2-135M-Instruct learns to call a calculator (envs.py) for 3-digit multiplication, offline on a CPU.
 # python train.py --config configs/arith_tool_smollm2_cpu.py      (the same without the tool: --task arith_mul)
 task = "arith_tool"  # "What is 482 * 937?": a 135M model cannot do it in its head
 model = "smollm2-135m"

@@ -24,7 +24,7 @@ from toy import TIMING, TRAIN, read_metrics, run_script, train_args  # noqa: E40
 import grpo  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
-import steps  # noqa: E402
+import extra_tasks  # noqa: E402
 import tasks  # noqa: E402
 from run import MetricsLog  # noqa: E402
 
@@ -287,7 +287,7 @@ def smol_tok():
 
 
 def steps_of(gold, group):
-    """The scripted completions of a group: (lines, their step rewards under steps.arith_step_rewards)."""
+    """The scripted completions of a group: (lines, their step rewards under extra_tasks.arith_step_rewards)."""
     first = [("4 * 2 = 8", 1.0), ("3 + 8 = 11", 1.0)]
     if group == 0:  # a longer first row: the two micro-batches are trimmed to different widths
         first += [("1 + 1 = 3", 0.0), ("10 - 4 = 6", 1.0)]
@@ -386,7 +386,7 @@ def test_process_supervision_advantages_are_the_hand_calculation(smol_tok, tmp_p
     for i, text in enumerate(r.completions):  # the scripted rewards are the task's own
         lines, step_rewards = steps_of(golds[i], i // G)[i % G]
         assert text == "\n".join(lines)
-        assert [v for _, v in steps.arith_step_rewards(text, {"answer": golds[i]})] == step_rewards
+        assert [v for _, v in extra_tasks.arith_step_rewards(text, {"answer": golds[i]})] == step_rewards
     assert len(losses) == PROMPTS * G // MICRO
     for j, adv in enumerate(losses):
         rows = slice(j * G, (j + 1) * G)

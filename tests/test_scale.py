@@ -122,10 +122,14 @@ def test_lora_base_in_bfloat16_adapters_in_float32(model_dir, tmp_path):
     g = run_script(
         TRAIN, train_args(model_dir, str(tmp_path), *LORA, "--dtype", "bfloat16", "--config", "export=none", steps=1)
     )
-    dtypes = {
-        (n.split(".")[-2] if "lora_" in n else "base_linear" if "proj" in n else "rest", q.dtype)
-        for n, q in g["policy"].named_parameters()
-    }
+    dtypes = set()
+    for n, q in g["policy"].named_parameters():
+        kind = "rest"
+        if "proj" in n:
+            kind = "base_linear"
+        if "lora_" in n:
+            kind = n.split(".")[-2]
+        dtypes.add((kind, q.dtype))
     assert dtypes == {("default", torch.float32), ("base_linear", torch.bfloat16), ("rest", torch.float32)}
     [row] = read_metrics(str(tmp_path))
     assert row["kl"] == 0 and 0 < row["dlogp_max"] < 1  # the base in bf16 is the reference: same bits at step 0

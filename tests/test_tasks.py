@@ -9,18 +9,18 @@ import pytest
 import torch
 from conftest import VOCAB, make_tokenizer
 
-import steps
+import extra_tasks
 import tasks
 from rewards import combine_rewards
-from steps import PROMPT as ARITH_STEPS_SYSTEM_PROMPT
-from steps import arith_step_rewards, load_arith_steps, step_positions
+from extra_tasks import PROMPT as ARITH_STEPS_SYSTEM_PROMPT
+from extra_tasks import arith_step_rewards, load_arith_steps, step_positions
 from tasks import ARITH_SYSTEM_PROMPT, SYSTEM_PROMPT, TASKS, DataError, Task, load_arith, load_gsm8k
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_docstring_examples():
-    result = doctest.testmod(steps)
+    result = doctest.testmod(extra_tasks)
     assert result.attempted > 0 and result.failed == 0  # a module whose examples were all lost runs none
 
 
@@ -228,11 +228,11 @@ def parse(question):
 
 
 def test_arith_steps_precedence_by_hand():
-    assert steps._evaluate(3, "+", 4, "*", 2) == 11  # 3 + 8, not 7 * 2
-    assert steps._evaluate(1, "-", 2, "*", 3) == -5  # 1 - 6
-    assert steps._evaluate(2, "*", 3, "-", 4) == 2
-    assert steps._evaluate(9, "-", 2, "-", 3) == 4  # left to right, not 9 - (-1)
-    assert steps._evaluate(9, "*", 9, "*", 9) == 729
+    assert extra_tasks._evaluate(3, "+", 4, "*", 2) == 11  # 3 + 8, not 7 * 2
+    assert extra_tasks._evaluate(1, "-", 2, "*", 3) == -5  # 1 - 6
+    assert extra_tasks._evaluate(2, "*", 3, "-", 4) == 2
+    assert extra_tasks._evaluate(9, "-", 2, "-", 3) == 4  # left to right, not 9 - (-1)
+    assert extra_tasks._evaluate(9, "*", 9, "*", 9) == 729
 
 
 def test_arith_steps_problems():
@@ -285,7 +285,8 @@ CHAIN = "4 * 2 = 8\n3 + 8 = 11\n11 - 5 = 6\n#### 6"  # 3 + 4 * 2 - 5
 def test_arith_step_rewards(completion, gold, steps):
     got = arith_step_rewards(completion, {"question": "q", "answer": gold})
     assert got == steps
-    for end, _ in got if completion.strip() else []:  # each step ends on its last visible character
+    ends = [end for end, _ in got] if completion.strip() else []
+    for end in ends:  # each step ends on its last visible character
         assert not completion[end - 1].isspace() and (end == len(completion) or completion[end].isspace())
 
 
@@ -294,7 +295,7 @@ def test_arith_steps_prompt_example_is_all_right():
     question, worked = example.split("\n", 1)
     gold = str(eval(question.removeprefix("What is ").removesuffix("?")))
     assert [r for _, r in arith_step_rewards(worked, {"answer": gold})] == [1.0, 1.0, 1.0]
-    assert TASKS["arith_steps"].score(worked, {"answer": gold})["strict"]
+    assert extra_tasks.EXTRA["arith_steps"].score(worked, {"answer": gold})["strict"]
 
 
 # -----------------------------------------------------------------------------
@@ -399,15 +400,25 @@ def test_step_positions_of_arith_steps_are_each_lines_last_token(smol_tok):
 
 
 def test_tasks_table():
-    assert set(TASKS) == {"gsm8k", "arith", "arith_steps", "arith_tool", "arith_mul"}
-    for task in TASKS.values():
+    """Fails if a task moves between the default path and extra_tasks.py, shares its weights dict with another, or
+    extra_tasks.get accepts an unknown name."""
+    assert set(TASKS) == {"gsm8k", "arith"}
+    assert set(extra_tasks.EXTRA) == {"arith_steps", "arith_tool", "arith_mul"}
+    every = {**TASKS, **extra_tasks.EXTRA}
+    for task in every.values():
         assert set(task.reward_weights) == set(task.reward_fns)
-    weights = [id(task.reward_weights) for task in TASKS.values()]
+    weights = [id(task.reward_weights) for task in every.values()]
     assert len(set(weights)) == len(weights)  # editing one task's weights leaves the others
-    text = "4 * 2 = 8\n#### 8"  # the task's step rewards are steps.py's, imported when the task runs
-    assert TASKS["arith_steps"].step_rewards(text, {"answer": "8"}) == arith_step_rewards(text, {"answer": "8"})
+    text = "4 * 2 = 8\n#### 8"
+    assert extra_tasks.get("arith_steps").step_rewards(text, {"answer": "8"}) == arith_step_rewards(
+        text, {"answer": "8"}
+    )
     assert TASKS["gsm8k"].step_rewards is None and TASKS["arith"].step_rewards is None
-    assert [name for name, task in TASKS.items() if task.tools] == ["arith_tool"]
+    assert [name for name, task in every.items() if task.tools] == ["arith_tool"]
+    with pytest.raises(
+        ValueError, match="unknown task 'arith_x'; tasks: arith, arith_mul, arith_steps, arith_tool, gsm8k"
+    ):
+        extra_tasks.get("arith_x")
     assert Task(*range(5)).step_rewards is None  # five-field tasks still build
 
 
@@ -418,7 +429,7 @@ def test_prompts_are_chat_messages():
         {"role": "user", "content": "What is 1 + 2?"},
     ]
     assert TASKS["arith"].prompt(example)[0]["content"] == ARITH_SYSTEM_PROMPT
-    assert TASKS["arith_steps"].prompt(example)[0]["content"] == ARITH_STEPS_SYSTEM_PROMPT
+    assert extra_tasks.EXTRA["arith_steps"].prompt(example)[0]["content"] == ARITH_STEPS_SYSTEM_PROMPT
     assert all("#### <number>" in p for p in (SYSTEM_PROMPT, ARITH_SYSTEM_PROMPT, ARITH_STEPS_SYSTEM_PROMPT))
 
 
@@ -449,7 +460,7 @@ def test_task_rewards_combine():
 
 
 def test_arith_steps_rewards_combine():
-    task = TASKS["arith_steps"]
+    task = extra_tasks.EXTRA["arith_steps"]
     example = {"question": "What is 3 + 4 * 2 - 5?", "answer": "6"}
     completions = [CHAIN, CHAIN.replace("#### 6", "#### 5"), "6"]
     total, _ = combine_rewards(

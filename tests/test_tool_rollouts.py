@@ -357,7 +357,7 @@ def slow(text: str) -> str:
 def real_rollout(model, tok, env, calls, results):
     """Row i opens with the forced call calls[i] (then greedy), the arith_tool task's prompt, a budget of 4 own tokens
     past the longest call + reply (results[i] = (name, result)) -> (Rollout, each row's call ids, reply ids)."""
-    from tasks import tool_prompt
+    from extra_tasks import tool_prompt
 
     script = [tok(c, add_special_tokens=False)["input_ids"] for c in calls]
     replies = [tok(env.reply(name, result), add_special_tokens=False)["input_ids"] for name, result in results]
@@ -394,10 +394,10 @@ def check_rows(r, script, replies):
 def test_real_tool_errors_are_replies_and_decoding_goes_on(real_model):
     """An unknown tool, a raising call (the calculator's refusal, a tool's exception) and a slow tool, beside a good
     call, on SmolLM2 with its own template ("tags" format)."""
-    import tools
+    import envs
 
     model, tok = real_model
-    env = tools.ToolEnv([tools.calculator, boom, slow], tok, max_calls=2, timeout=0.3)
+    env = envs.ToolEnv([envs.calculator, boom, slow], tok, max_calls=2, timeout=0.3)
     assert env.format == "tags"
     calls = [
         "<calculator>1234 * 56</calculator>",
@@ -427,17 +427,17 @@ def test_real_tool_errors_are_replies_and_decoding_goes_on(real_model):
 def test_real_malformed_json_call_is_a_reply_and_decoding_goes_on(real_model):
     import copy
 
-    import tools
+    import envs
     from test_tools import QWEN_TEMPLATE  # Qwen2.5's tool-use template, shortened: the "json" format
 
     model, tok = real_model
     tok = copy.deepcopy(tok)
     tok.chat_template = QWEN_TEMPLATE
-    env = tools.ToolEnv([tools.calculator], tok, max_calls=2)
+    env = envs.ToolEnv([envs.calculator], tok, max_calls=2)
     assert env.format == "json"
     good = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1234 * 56"}}\n</tool_call>'
     calls = [good, '<tool_call>\n{"name": calculator}\n</tool_call>']
-    r, script, replies = real_rollout(model, tok, env, calls, [("calculator", "69104"), (None, tools.MALFORMED)])
+    r, script, replies = real_rollout(model, tok, env, calls, [("calculator", "69104"), (None, envs.MALFORMED)])
     check_rows(r, script, replies)
     assert r.tool_errors[0] <= r.tool_calls[0] - 1 and r.tool_errors[1] >= 1
 
@@ -670,9 +670,9 @@ def test_evaluate_counts_tool_calls_per_example_and_in_the_summary():
 
 
 def test_a_run_without_tools_imports_the_default_path_only(model_dir, tmp_path):
-    """`train.py` on a task without tools imports 6 modules of the repo and no other (not tools.py, steps.py,
-    scale.py, eval.py): with train.py the budget (<= 1,800 lines in <= 8 files, train.py <= 350, as `wc -l` counts)
-    holds for them."""
+    """`train.py` on a task without tools imports 6 modules of the repo and no other (not envs.py, extra_tasks.py,
+    scale.py, eval.py): with train.py the budget (<= 2,300 lines in <= 8 files, train.py <= 470, counted on the code as
+    `ruff format` leaves it) holds for them. Fails if the default path imports an optional module or outgrows it."""
     argv = [str(a) for a in train_args(model_dir, str(tmp_path), "--config", "export=none", steps=1)]
     code = (
         "import json, os, runpy, sys\n"
@@ -691,4 +691,4 @@ def test_a_run_without_tools_imports_the_default_path_only(model_dir, tmp_path):
     own = json.loads(out.stdout.strip().splitlines()[-1])
     assert own == ["grpo", "models", "rewards", "rollout", "run", "tasks"]  # and train.py, run as __main__
     lines = {m: sum(1 for _ in open(f"{REPO}/{m}.py")) for m in [*own, "train"]}
-    assert sum(lines.values()) <= 1800 and lines["train"] <= 350, lines
+    assert sum(lines.values()) <= 2300 and lines["train"] <= 470, lines

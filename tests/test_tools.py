@@ -1,4 +1,4 @@
-"""tools.py: the calculator against hand calculations, and ToolEnv driven by a scripted decode loop (the loop of
+"""envs.py: the calculator against hand calculations, and ToolEnv driven by a scripted decode loop (the loop of
 rollout.sample, with 'sampling' read from a script) on the tiny word-level tokenizer and on SmolLM2's, its text
 checked against the chat template's own rendering of the same conversation."""
 
@@ -13,7 +13,7 @@ from conftest import EOS, make_tokenizer
 from tokenizers import AddedToken
 from transformers.utils import get_json_schema
 
-from tools import MALFORMED, ToolEnv, calculator
+from envs import MALFORMED, ToolEnv, calculator
 
 # Qwen2.5-Instruct's chat template (tool use, ChatML), shortened to what a tool rollout renders
 QWEN_TEMPLATE = (

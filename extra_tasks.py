@@ -1,6 +1,7 @@
-"""Process supervision (DeepSeekMath §4.1.3), the task side: a reward per step of a completion and the token each step
-ends on, for grpo.process_advantages. Imported only when a run asks for it (`--supervision process`, `--task
-arith_steps`). arith_steps: generated "What is 3 + 4 * 2 - 5?", a reward per line."""
+"""Tasks off the default path, imported only when one is named (`get`); each a `tasks.Task`:
+- arith_steps: "What is 3 + 4 * 2 - 5?", a reward per line, for process supervision (DeepSeekMath §4.1.3): the step
+  rewards and the token each step ends on (`step_positions`, for grpo.process_advantages).
+- arith_tool: "What is 482 * 937?" with a calculator (envs.py); arith_mul: the same without it."""
 
 import random
 import re
@@ -10,7 +11,20 @@ from functools import partial
 import torch
 
 from rewards import answers_match
-from tasks import ARITH_OPS, OPS, chat_prompt, check_generated, sample_split
+from tasks import (
+    ARITH_OPS,
+    OPS,
+    REWARDS,
+    TASKS,
+    WEIGHTS,
+    Task,
+    chat_prompt,
+    check_generated,
+    load_arith,
+    sample_split,
+    score,
+)
+
 
 PROMPT = (
     "Work it out one calculation a line, as: a op b = c. End with a final line: "
@@ -75,3 +89,52 @@ def step_positions(step_rewards, tokenizer, completion_ids, lengths, completions
             ends[i, j] = bisect_left(range(1, len(ids)), True, key=lambda k: decode(ids[:k])[:end] == text[:end])
             values[i, j], mask[i, j] = value, True
     return ends, values, mask
+
+
+# arith_tool / arith_mul: 3-digit products, with and without a calculator
+MUL_PROMPT = "Answer the question. End with a final line: #### <number>\nExample:\nWhat is 12 * 34?\n#### 408"
+TOOL_PROMPT = "Answer the question. Use the calculator for arithmetic. End with a final line: #### <number>"
+
+
+def tool_prompt(example):  # one worked call as earlier turns (HF's tool-call format): else a 135M model rarely calls
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1234 * 56"}}}
+    return [
+        {"role": "system", "content": TOOL_PROMPT},
+        {"role": "user", "content": "What is 1234 * 56?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "69104"},
+        {"role": "assistant", "content": "#### 69104"},
+        {"role": "user", "content": example["question"]},
+    ]
+
+
+def tool_reward(completions, tool_calls, tool_errors, **_):  # 1.0 where a tool call ran (an error's reply aside)
+    return [float(c > e) for c, e in zip(tool_calls, tool_errors)]
+
+
+def calculator(tokenizer, max_calls=4):  # the task's tools in their environment (envs.py)
+    import envs
+
+    return envs.ToolEnv([envs.calculator], tokenizer, max_calls)
+
+
+load_mul = partial(load_arith, digits=3, ops="*")
+EXTRA = {  # a call that ran is worth a little (0.2): without it the calls die out (BENCHMARKS.md)
+    "arith_steps": Task(load_arith_steps, prompt, dict(REWARDS), dict(WEIGHTS), score, arith_step_rewards),
+    "arith_tool": Task(
+        load_mul,
+        tool_prompt,
+        {**REWARDS, "tool": tool_reward},
+        {**WEIGHTS, "tool": 0.2},
+        score,
+        tools=calculator,
+    ),
+    "arith_mul": Task(load_mul, partial(chat_prompt, MUL_PROMPT), dict(REWARDS), dict(WEIGHTS), score),
+}
+
+
+def get(name):
+    """The task called `name`; ValueError in one line naming every task when there is none."""
+    if name not in EXTRA:
+        raise ValueError(f"unknown task {name!r}; tasks: {', '.join(sorted({**TASKS, **EXTRA}))}")
+    return EXTRA[name]
