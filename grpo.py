@@ -211,7 +211,10 @@ def aggregate(per_token, mask, loss_type="grpo", num_sequences=None, num_tokens=
     _check_shape(per_token.shape, mask=mask)
     N, T = per_token.shape
     mask = mask.bool()
-    num_sequences, max_len = N if num_sequences is None else num_sequences, T if max_len is None else max_len
+    if num_sequences is None:
+        num_sequences = N
+    if max_len is None:
+        max_len = T
     _check(max_len >= T, f"max_len ({max_len}) must be >= the completion length T ({T})")
     masked = torch.where(mask, per_token, 0.0)  # (N, T)
     if loss_type in ("grpo", "sapo"):
@@ -289,7 +292,8 @@ def grpo_loss(
         kl=kl,
         behaviour_weights=behaviour_weights,
     )
-    full, beta, est = obj.kl_estimator == "full", obj.beta, obj.kl_estimator
+    beta, est = obj.beta, obj.kl_estimator
+    full = est == "full"
     _check(kl is None or full, f"kl is read only with kl_estimator='full', got kl_estimator={est!r}")
     _check(not (beta > 0 and full and kl is None), "kl_estimator='full' needs kl=full_kl(logits, ref_logits)")
     _check(not (beta > 0 and not full and ref_logp is None), "ref_logp is required when beta > 0 (or set beta=0)")

@@ -101,7 +101,8 @@ def _gguf_to_hf(gguf_path):
         )
     except Exception as e:  # not a GGUF file, a truncated one, an architecture transformers cannot read
         raise ModelError(f"cannot read {gguf_path} as a GGUF model ({_why(e, 160)}); pass a valid .gguf file") from None
-    model.config.quantization_config, model.config.name_or_path = None, gguf_path
+    model.config.quantization_config = None  # dequantized: plain weights
+    model.config.name_or_path = gguf_path
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(out), ignore_cleanup_errors=True) as tmp:  # gone once renamed
         model.to(torch.bfloat16).save_pretrained(tmp)  # written aside, then renamed: a kill never leaves half a folder

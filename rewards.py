@@ -151,7 +151,9 @@ def combine_rewards(reward_fns, weights, completions, **fields):
     for key, values in fields.items():
         if isinstance(values, (list, tuple)) and len(values) != n:
             raise ValueError(f"field {key!r} has {len(values)} values for {n} completions; give one per completion")
-    total, per_fn, hint = [0.0] * n, {}, f"return a list of {n} numbers"
+    total = [0.0] * n
+    per_fn = {}
+    hint = f"return a list of {n} numbers"
     for name, fn in reward_fns.items():
         try:
             raw = fn(completions, **fields)

@@ -68,11 +68,14 @@ def parse(p, ranges, constants, argv=None):
     """Flags with config files and --resume applied, every value checked -> (args, the checkpoint to resume
     from or None, the names whose value is not the default). constants: {name: (default, choices tuple or range)}
     of the values only config files set."""
-    flags, defaults = {a.dest for a in p._actions} - {"help", "config"}, vars(p.parse_args([]))
+    flags = {a.dest for a in p._actions} - {"help", "config"}
+    defaults = vars(p.parse_args([]))
     pre = p.parse_known_args(argv)[0]
     configs = [_config(p, c, flags | set(constants)) for c in pre.config]
     resume = user_path(pre.resume) or next((c["resume"] for c in reversed(configs) if c.get("resume")), None)
-    values, ckpt, saved = {k: d for k, (d, _) in constants.items()}, None, {}
+    values = {k: d for k, (d, _) in constants.items()}
+    ckpt = None
+    saved = {}
     defaults.update(values)
     if resume:
         try:
@@ -424,7 +427,9 @@ class MetricsLog:
             with open(self.path + ".tmp", "w") as f:
                 f.writelines(json.dumps(r) + "\n" for r in rows)
             os.replace(self.path + ".tmp", self.path)
-        self.file, self.streak, self.tracker = open(self.path, "a"), {}, None
+        self.file = open(self.path, "a")
+        self.streak = {}  # steps in a row above the warning's threshold, per metric
+        self.tracker = None
         if tracker != "none":  # TensorBoard or W&B: (log, close), from scale.py
             import scale
 

@@ -102,7 +102,9 @@ run.exit_on_interrupt(partial(run.last_checkpoint, args.out_dir, args.steps))  #
 # --- setup: processes, the checks that need more than one flag, device and dtype, the out dir
 ddp = int(os.environ.get("WORLD_SIZE", 1)) > 1
 rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp else (0, 1)
-master, G, local_prompts = rank == 0, args.group_size, args.prompts_per_step // world
+master = rank == 0
+G = args.group_size
+local_prompts = args.prompts_per_step // world
 task = TASKS.get(args.task)
 if task is None:  # the other tasks, imported only when named
     import extra_tasks
@@ -203,6 +205,7 @@ ref_off = policy.disable_adapter if args.lora_rank else nullcontext  # runs the 
 context = getattr(policy.config, "max_position_embeddings", None) or 10**9  # a longer prompt keeps its last tokens
 if args.max_new_tokens >= context:
     p.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's {context} tokens")
+max_prompt = context - args.max_new_tokens
 stops = rollout.stop_token_ids(tokenizer, policy)
 full_kl = args.kl_estimator == "full" and ref is not None
 if full_kl and ref_device != device:  # the full KL's reference head runs where the policy's hidden states are
@@ -215,12 +218,11 @@ optimizer = torch.optim.AdamW(
 
 
 def lr_factor(u):  # a linear warmup, then constant or a cosine decay to 10% of --lr at the last update
-    warm, T = min(1, (u + 1) / (args.warmup_steps + 1)), max(1, args.steps * args.mu - 1 - args.warmup_steps)
-    return (
-        warm
-        if args.lr_schedule == "constant"
-        else warm * (0.55 + 0.45 * math.cos(math.pi * min(1, max(0, u - args.warmup_steps) / T)))
-    )
+    warm = min(1, (u + 1) / (args.warmup_steps + 1))
+    if args.lr_schedule == "constant":
+        return warm
+    T = max(1, args.steps * args.mu - 1 - args.warmup_steps)  # updates after the warmup
+    return warm * (0.55 + 0.45 * math.cos(math.pi * min(1, max(0, u - args.warmup_steps) / T)))
 
 
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
@@ -237,45 +239,36 @@ def collect(step):
     """This rank's batch -> (Rollout, examples, rewards (N,), keep (N,) bool, stats). A fixed shuffle per epoch and a
     generator per prompt slot: a resumed run, or one over more processes, samples the same. --dynamic-sampling (DAPO
     §3.2): max_resample rollouts of fresh prompts replace flat groups; a shortfall keeps some, with keep=False."""
-    parts, (epoch, k) = [], divmod(step, len(train_set) // args.prompts_per_step)
+    epoch, k = divmod(step, len(train_set) // args.prompts_per_step)
+    parts = []
     for attempt in range(1 + args.max_resample * args.dynamic_sampling):
-        order = torch.randperm(
-            len(train_set),
-            generator=torch.Generator().manual_seed(
-                args.seed + epoch if attempt == 0 else run.seed_of(args.seed, step, attempt)
-            ),
-        )
+        seed = args.seed + epoch if attempt == 0 else run.seed_of(args.seed, step, attempt)  # a resample: fresh prompts
+        order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(seed))
         first = (0 if attempt else k * args.prompts_per_step) + rank * local_prompts
         slots = range(first, first + local_prompts)
-        exs, gens = (
-            [train_set[order[i]] for i in slots],
-            [torch.Generator().manual_seed(run.seed_of(args.seed, step, attempt, i)) for i in slots],
-        )
+        exs = [train_set[order[i]] for i in slots]
+        gens = [torch.Generator().manual_seed(run.seed_of(args.seed, step, attempt, i)) for i in slots]
+        prompts = [task.prompt(e) for e in exs]
         with gathered(policy):
             r = rollout.sample(
                 policy,
                 tokenizer,
-                [task.prompt(e) for e in exs],
+                prompts,
                 G,
                 args.max_new_tokens,
                 stops,
                 args.temperature,
                 gens,
                 dtype,
-                context - args.max_new_tokens,
+                max_prompt,
                 env,
             )
         fields = {f: [e[f] for e in exs for _ in range(G)] for f in exs[0]}  # each example's fields, G times
+        fields["num_tokens"] = (r.completion_mask + r.env_mask.long()).sum(1).tolist()  # and each row's own
+        fields["tool_calls"] = r.tool_calls.tolist()
+        fields["tool_errors"] = r.tool_errors.tolist()
         try:
-            total, per_fn = combine_rewards(
-                reward_fns,
-                weights,
-                r.completions,
-                **fields,  # and per completion:
-                num_tokens=(r.completion_mask + r.env_mask.long()).sum(1).tolist(),
-                tool_calls=r.tool_calls.tolist(),
-                tool_errors=r.tool_errors.tolist(),
-            )
+            total, per_fn = combine_rewards(reward_fns, weights, r.completions, **fields)
         except RewardError as e:
             sys.exit(f"error: step {step + 1}: {e}")
         parts.append((r, exs, torch.tensor(total), per_fn))
@@ -286,7 +279,8 @@ def collect(step):
     if not args.dynamic_sampling:
         return r, exs, rewards, torch.ones(N, dtype=torch.bool), stats
     groups = grpo.pick_groups(rewards, G, local_prompts)  # (local_prompts,) of all attempts' groups
-    rows, exs = (groups[:, None] * G + torch.arange(G)).flatten(), [e for _, x, _, _ in parts for e in x]  # (N,)
+    rows = (groups[:, None] * G + torch.arange(G)).flatten()  # (N,)
+    exs = [e for _, x, _, _ in parts for e in x]
     keep = grpo.informative_groups(rewards, G)[groups].repeat_interleave(G)  # (N,)
     stats.update(reward_sampled=rewards.mean(), kept_groups=keep.sum() / G, extra_rollouts=torch.tensor(len(parts) - 1))
     return rollout.concat([x[0] for x in parts])[rows], [exs[i] for i in groups.tolist()], rewards[rows], keep, stats
@@ -326,14 +320,18 @@ def run_eval(step):
 
 # --- the loop
 log = run.MetricsLog(args.out_dir, args.log_to, vars(args), start_step) if master else None
-bad_steps, save_failed, export_failed = 0, None, None
+bad_steps = 0  # non-finite updates in a row
+save_failed = None
+export_failed = None
 if start_step == 0 and args.eval_every:
     run_eval(0)
 for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not master):
     t0 = time.time()
     r, examples, rewards, keep, row = collect(step)  # 1. G completions per prompt and their rewards
-    rewards, keep, lengths = rewards.to(device), keep.to(device), r.completion_mask.sum(1)  # (N,) each
-    t1, C = time.time(), r.sample_logp.shape[1]
+    t1 = time.time()
+    rewards, keep = rewards.to(device), keep.to(device)  # (N,) each
+    lengths = r.completion_mask.sum(1)  # (N,) the model's own tokens
+    C = r.sample_logp.shape[1]
     # 2. advantages: groups never span ranks, but the "batch" scale needs every rank's rewards
     all_rewards = scale.all_gather(rewards) if ddp else rewards  # (world*N,)
     adv, frac_zero = grpo.group_advantages(all_rewards, G, args.scale_rewards)
@@ -344,28 +342,31 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
         ends, values, smask = extra_tasks.step_positions(
             task.step_rewards, tokenizer, r.completion_ids, lengths - (~r.truncated).long(), r.completions, examples, G
         )
-        adv, row["reward/step"] = grpo.process_advantages(values, ends, smask, G, C).to(device), values[smask].mean()
+        adv = grpo.process_advantages(values, ends, smask, G, C).to(device)
+        row["reward/step"] = values[smask].mean()
     loss_mask = r.completion_mask * keep[:, None] * (~r.truncated[:, None] if args.mask_truncated else 1)  # (N, C)
     num_tokens = run.all_reduce(loss_mask.sum().float()).clamp(min=1)  # per-rank shares of the batch's counts
     num_sequences = run.all_reduce(keep.sum().float())
-    with ref_off():  # 3. the reference's log-probs (N, C) on its device (full KL: its hidden states, per micro-batch)
-        ref_out = (
-            None
-            if ref is None
-            else rollout.batch_logprobs(ref, r, args.micro_batch, args.temperature, share, rdt, hidden=full_kl)
-        )
-    old_logp = (
-        rollout.batch_logprobs(policy, r, args.micro_batch, args.temperature, share, dtype) if args.mu > 1 else None
-    )  # the old policy's: the ratio's denominator when the batch is reused
+    ref_out = None  # 3. the reference's log-probs (N, C) on its device (full KL: its hidden states, per micro-batch)
+    if ref is not None:
+        with ref_off():
+            ref_out = rollout.batch_logprobs(ref, r, args.micro_batch, args.temperature, share, rdt, hidden=full_kl)
+    old_logp = None  # the old policy's: the ratio's denominator when the batch is reused
+    if args.mu > 1:
+        old_logp = rollout.batch_logprobs(policy, r, args.micro_batch, args.temperature, share, dtype)
     t2 = time.time()
     # 4. mu optimizer steps on this batch, each accumulating gradients over micro-batches
-    stats, first_logp, skip = {}, torch.zeros(N, C, device=device), num_sequences.item() == 0
+    stats = {}
+    first_logp = torch.zeros(N, C, device=device)
+    skip = num_sequences.item() == 0
     for it in range(0 if skip else args.mu):  # skip: no group with a reward spread, nothing to learn
         for j, (rows, ids, mask, c) in enumerate(rollout.micro_batches(r, args.micro_batch)):
             kl_ref = (ref.get_output_embeddings(), ref_out[j]) if full_kl else None  # the full KL's reference
             with autocast:  # entropy is always logged; it enters the loss only through --entropy-* flags
                 logp, entropy, kl = rollout.token_logprobs(policy, ids, mask, c, args.temperature, True, kl_ref, share)
-            m, old = loss_mask[rows, :c], None if old_logp is None else old_logp[rows, :c]
+            m = loss_mask[rows, :c]
+            old = None if old_logp is None else old_logp[rows, :c]
+            ref_logp = None if ref is None or full_kl else ref_out[rows, :c]
             # the sampler's numerics differ from the trainer's: reweight the policy term (truncated IS)
             w, w_stats = grpo.behaviour_weights(
                 logp.detach() if old is None else old, r.sample_logp[rows, :c], m, args.is_mode, args.is_cap
@@ -373,7 +374,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
             loss, metrics = grpo.grpo_loss(
                 logp,
                 old,
-                None if ref is None or full_kl else ref_out[rows, :c],
+                ref_logp,
                 adv[rows, :c].expand(-1, c),
                 m,
                 obj,
@@ -385,7 +386,8 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
             )
             scaler.scale(loss).backward()
             if it == 0:
-                first_logp[rows, :c], metrics["is_capped"] = logp.detach(), w_stats["is_capped"]
+                first_logp[rows, :c] = logp.detach()
+                metrics["is_capped"] = w_stats["is_capped"]
             for k, v in {**metrics, "loss": loss.detach()}.items():
                 stats.setdefault(k, []).append(v.float())
         grad_norm, lr = update(stats["loss"][-(N // args.micro_batch) :], step)
@@ -448,9 +450,8 @@ state = scale.full_state_dict(policy) if args.fsdp and args.export != "none" els
 if master and args.export != "none":  # last: a LoRA policy is merged into its base in place
     from eval import export_hf
 
-    export_failed = export_hf(
-        policy, tokenizer, os.path.join(args.out_dir, "hf"), dtype, args.export == "adapter", state
-    )
+    hf_dir = os.path.join(args.out_dir, "hf")
+    export_failed = export_hf(policy, tokenizer, hf_dir, dtype, args.export == "adapter", state)
     print(f"warning: {export_failed}" if export_failed else f"exported ({args.export}) to {args.out_dir}/hf")
 if master:
     log.close()
