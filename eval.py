@@ -224,7 +224,8 @@ def main():
             + " ".join(f"{k}={v:.4f}" if isinstance(v, float) else f"{k}={v}" for k, v in summary.items())
         )
         try:
-            with open(tmp := out + ".tmp", "w") as f:  # written whole, then renamed: a kill leaves no half file
+            tmp = out + ".tmp"
+            with open(tmp, "w") as f:  # written whole, then renamed: a kill leaves no half file
                 f.writelines(json.dumps(r) + "\n" for r in records)
             os.replace(tmp, out)
         except OSError as e:  # a full disk: the summary above stands

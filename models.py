@@ -35,7 +35,8 @@ def resolve_device(name, local_rank=None):
     try:
         device = torch.device(name)
         if device.type == "cuda" and local_rank is not None:
-            torch.cuda.set_device(device := torch.device("cuda", local_rank))
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
         torch.zeros(1, device=device)
     except (RuntimeError, AssertionError) as e:
         raise ModelError(f"device '{name}' is not usable here ({e}); use --device auto or cpu") from None

@@ -260,7 +260,10 @@ def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False,
     out, grad = [], torch.is_grad_enabled() and hidden.requires_grad
     for i in range(0, hidden.size(0), size):
         a = (hidden[i : i + size], targets[i : i + size], None if ref is None else ref[1][i : i + size])
-        out.append(checkpoint(chunk, *a, use_reentrant=False) if grad else chunk(*a))
+        if grad:  # backward reruns the chunk instead of keeping its logits
+            out.append(checkpoint(chunk, *a, use_reentrant=False))
+        else:
+            out.append(chunk(*a))
     return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*out))
 
 
@@ -282,7 +285,8 @@ def _check_outer(model):
 def _root_gathered(model):
     """FSDP2 gathers a unit in its forward; the decoder and the lm_head run without the root's, so the root
     (embeddings, norm, head) is gathered here. With grad, FSDP frees it after backward."""
-    if fsdp := hasattr(model, "unshard"):
+    fsdp = hasattr(model, "unshard")
+    if fsdp:
         model.unshard()
     yield
     if fsdp and not torch.is_grad_enabled():
