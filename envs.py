@@ -266,6 +266,7 @@ class ToolEnv:
 # wrapper, not a preexec_fn, does the setup: a preexec_fn is unsafe in a process with threads (the rollout's).
 
 import functools  # noqa: E402  (this section's own imports: it is self-contained)
+import itertools  # noqa: E402
 import os  # noqa: E402
 import select  # noqa: E402
 import shutil  # noqa: E402
@@ -286,9 +287,11 @@ PY_LIMITS = {  # per process: a 10 GB list is a MemoryError, a fork bomb stops a
 PY_READ = 64 << 10  # bytes read at most: past it the program is stopped
 PY_SHOW = 400  # characters shown: a reply costs the row's tokens
 PY_DISK = "32m"  # its directory is a tmpfs of this size where a mount namespace is made
-PY_UID = 3_500_000_000  # + a slot: one unused uid per running call, so limits and kills reach that call alone
+# a fresh unused uid per call (never reused while a process runs: a killed process's zombie still counts for
+# RLIMIT_NPROC until reaped), so limits and kills reach that call alone; the pid keeps processes apart
+PY_UID = 2_000_000_000
 PY_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
-_slots, _slots_lock = set(), threading.Lock()
+_calls = itertools.count()  # next() is atomic: threads get distinct numbers
 
 SANDBOX_MAIN = r"""
 import ctypes, json, os, resource, signal, struct, sys
@@ -448,13 +451,15 @@ def _describe(conf):
         f"{limits['RLIMIT_FSIZE'] >> 20} MiB files, processes {nproc}), own session, scrubbed env"
     ]
     if conf["uid"] is not None:
-        parts.append(f"uid {conf['uid']}+ (one per call)")
+        parts.append("a fresh uid per call")
     if conf["ns"]:
         parts.append(f"namespaces: no network, own pids (all it starts dies with it), a {conf['disk']} tmpfs dir")
     if conf["landlock"]:
         parts.append("Landlock: writes only in its dir, reads of system files only, no TCP")
     if not conf["ns"]:
-        parts.append("network NOT cut; a process that leaves its session may outlive the call")
+        parts.append("network NOT cut")
+    if not conf["ns"] and conf["uid"] is None:  # only its process group is killed
+        parts.append("a process that leaves its session may outlive the call")
     if not conf["landlock"]:
         parts.append("writes NOT confined beyond file permissions")
     if not (conf["ns"] and conf["landlock"]):
@@ -463,14 +468,11 @@ def _describe(conf):
 
 
 def _run(conf, code, timeout):
-    """One call: a slot (its uid), a temp dir, the wrapper; everything it started killed and the dir removed after,
+    """One call: its uid, a temp dir, the wrapper; everything it started killed and the dir removed after,
     whatever happened -> (output bytes, status)."""
-    with _slots_lock:
-        slot = min(set(range(len(_slots) + 1)) - _slots)
-        _slots.add(slot)
     uid = conf["uid"]
     if uid is not None:
-        uid += slot
+        uid += os.getpid() % 20_000 * 100_000 + next(_calls) % 100_000  # < 2**32 - 1
     cpu = math.ceil(timeout) + 1  # CPU seconds: a busy loop ends here even if the wall clock check were missed
     conf = {**conf, "uid": uid, "ppid": os.getpid(), "limits": {**conf["limits"], "RLIMIT_CPU": cpu}}
     workdir = tempfile.mkdtemp(prefix="grpo-python-")
@@ -496,8 +498,6 @@ def _run(conf, code, timeout):
             _kill(proc, conf)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-        with _slots_lock:
-            _slots.discard(slot)
 
 
 def _read(proc, timeout):
