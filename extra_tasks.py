@@ -1,7 +1,8 @@
 """Tasks off the default path, imported only when one is named (`get`); each a `tasks.Task`:
 - arith_steps: "What is 3 + 4 * 2 - 5?", a reward per line, for process supervision (DeepSeekMath §4.1.3): the step
   rewards and the token each step ends on (`step_positions`, for grpo.process_advantages).
-- arith_tool: "What is 482 * 937?" with a calculator (envs.py); arith_mul: the same without it."""
+- arith_tool: "What is 482 * 937?" with a calculator (envs.py); arith_mul: the same without it.
+- gsm8k_python: GSM8K with a python tool, code run in a sandboxed interpreter (envs.python)."""
 
 import random
 import re
@@ -21,6 +22,7 @@ from tasks import (
     chat_prompt,
     check_generated,
     load_arith,
+    load_gsm8k,
     sample_split,
     score,
 )
@@ -131,6 +133,46 @@ EXTRA = {  # a call that ran is worth a little (0.2): without it the calls die o
     ),
     "arith_mul": Task(load_mul, partial(chat_prompt, MUL_PROMPT), dict(REWARDS), dict(WEIGHTS), score),
 }
+
+
+# gsm8k_python: GSM8K with a python tool (envs.python, a sandboxed interpreter)
+PYTHON_PROMPT = (
+    "Solve the problem. Use the python tool for the arithmetic: write a short program that prints the result. "
+    "End with a final line: #### <number>"
+)
+EXAMPLE_QUESTION = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?"
+)
+
+
+def python_prompt(example):  # one worked call as earlier turns, as tool_prompt's
+    call = {"type": "function", "function": {"name": "python", "arguments": {"code": "print(48 + 48 // 2)"}}}
+    return [
+        {"role": "system", "content": PYTHON_PROMPT},
+        {"role": "user", "content": EXAMPLE_QUESTION},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "72"},
+        {"role": "assistant", "content": "#### 72"},
+        {"role": "user", "content": example["question"]},
+    ]
+
+
+def python_tool(tokenizer, max_calls=4):  # the sandboxed interpreter in its environment; says how it is confined
+    import envs
+
+    print(envs.sandbox_protections(), flush=True)
+    return envs.ToolEnv([envs.python], tokenizer, max_calls, timeout=envs.PY_TIMEOUT + 5)
+
+
+EXTRA["gsm8k_python"] = Task(
+    load_gsm8k,
+    python_prompt,
+    {**REWARDS, "tool": tool_reward},
+    {**WEIGHTS, "tool": 0.2},
+    score,
+    tools=python_tool,
+)
 
 
 def get(name):
