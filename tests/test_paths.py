@@ -105,7 +105,10 @@ def test_train_default_out_dir_never_replaces_what_it_did_not_write(model_dir, t
 # a path that must exist is checked before anything is created
 
 
-def test_a_missing_input_creates_nothing(model_dir, tmp_path, capsys):
+def test_a_missing_input_creates_nothing(model_dir, tmp_path, capsys, monkeypatch):
+    """Run from inside tmp_path, so a write into the working directory shows in its tree too. Fails if a script
+    makes its --out-dir / --out folder, or any file, before it checks that its inputs exist."""
+    monkeypatch.chdir(tmp_path)
     new = tmp_path / "new"
     code, line = error_of(
         TRAIN,
@@ -121,7 +124,7 @@ def test_a_missing_input_creates_nothing(model_dir, tmp_path, capsys):
     assert code == 2 and "no checkpoint at" in line, line
     code, line = error_of(PLOT, ["--plot", str(tmp_path / "no_run"), "--out", str(new / "c.png")], capsys)
     assert code == 1 and "no metrics.jsonl" in line, line
-    assert not new.exists()
+    assert tree(tmp_path) == []
 
 
 # -----------------------------------------------------------------------------
@@ -166,7 +169,11 @@ def test_eval_keeps_two_models_of_one_name_apart(model_dir, tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("script", ["train", "eval"])
-def test_a_seed_beyond_what_torch_takes_is_one_line(model_dir, tmp_path, capsys, script):
+def test_a_seed_beyond_what_torch_takes_is_one_line(model_dir, tmp_path, capsys, monkeypatch, script):
+    """Refused in one line before anything is written. Run from inside tmp_path: eval.py's default output is
+    ./predictions.jsonl, so a write into the working directory shows in its tree. Fails if the seed is checked
+    after a script writes (eval's --out probe, train's out dir) or is left to torch (a traceback)."""
+    monkeypatch.chdir(tmp_path)
     seed = 2**64  # torch.Generator.manual_seed overflows past 2**64 - 1; the runs add step and rank to it
     if script == "train":
         code, line = error_of(TRAIN, train_args(model_dir, str(tmp_path / "run"), "--seed", seed), capsys)
@@ -221,7 +228,10 @@ def test_train_names_nothing_for_the_defaults(model_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("script", ["train", "eval"])
-def test_a_data_dir_for_a_task_that_reads_none_is_refused(model_dir, tmp_path, capsys, script):
+def test_a_data_dir_for_a_task_that_reads_none_is_refused(model_dir, tmp_path, capsys, monkeypatch, script):
+    """Refused in one line before anything is written, run from inside tmp_path (eval.py's default output is
+    ./predictions.jsonl). Fails if --data-dir is ignored for arith, or checked after a script writes."""
+    monkeypatch.chdir(tmp_path)
     if script == "train":
         argv = train_args(model_dir, str(tmp_path / "run"), "--task", "arith", "--data-dir", str(tmp_path))
     else:
