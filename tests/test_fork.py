@@ -14,6 +14,7 @@ edit moves the log-probs by more than 1e-2.
 """
 
 import copy
+import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +28,9 @@ from conftest import DECODE, EOS, GRADS, VOCAB, assert_close_scaled, make_tokeni
 from rollout import left_pad
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's
+# peft is optional: the cases that need it skip before they start, the others run on requirements.txt alone
+needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft: pip install peft")
+PEFT_EDITS = {"lora", "add_lora", "peft_base"}
 V = len(VOCAB)
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -179,7 +183,11 @@ EDITS = {  # name: (edit, model kinds)
     "global_hook": (global_hook, BOTH),
     "sliding_window": (sliding_window, ("qwen2",)),
 }
-CASES = [pytest.param(name, kind, id=f"{name}-{kind}") for name, (_, kinds) in EDITS.items() for kind in kinds]
+CASES = [
+    pytest.param(name, kind, id=f"{name}-{kind}", marks=[needs_peft] if name in PEFT_EDITS else [])
+    for name, (_, kinds) in EDITS.items()
+    for kind in kinds
+]
 
 
 @pytest.fixture
@@ -201,7 +209,7 @@ def edited(name, kind, env):
 # dropout draws its masks per call, and a shared prompt's smaller forward draws other ones than whole rows do:
 # the edit with dropout is compared on whole rows only
 FORWARD_CASES = [
-    pytest.param(name, kind, share, id=f"{name}-{kind}-{share}")
+    pytest.param(name, kind, share, id=f"{name}-{kind}-{share}", marks=[needs_peft] if name in PEFT_EDITS else [])
     for name, (_, kinds) in EDITS.items()
     for kind in kinds
     for share in (True, False)
@@ -326,9 +334,10 @@ def test_a_hook_on_the_whole_model_is_refused(pre):
     refused(model, "forward hook on the whole model")
 
 
-def test_an_overridden_model_forward_or_prompt_tuning_is_refused():
-    """A subclass whose forward() changes the output, or PEFT prompt tuning (virtual tokens added in the
-    wrapper's forward), would run in sampling only: the log-prob pass raises instead."""
+def test_an_overridden_model_forward_is_refused():
+    """A subclass whose forward() changes the output would run in sampling only: the log-prob pass raises instead,
+    while a subclass that leaves forward alone computes the base's log-probs bit for bit. Fails if the check is
+    dropped (doubled logits scored as the head's) or refuses any subclass. Needs no peft (prompt tuning: below)."""
 
     class Scaled(LlamaForCausalLM):
         def forward(self, *args, **kwargs):
@@ -353,7 +362,14 @@ def test_an_overridden_model_forward_or_prompt_tuning_is_refused():
         atol=0,
         rtol=0,
     )
-    peft = pytest.importorskip("peft", reason="pip install peft")
+
+
+@needs_peft
+def test_prompt_tuning_is_refused():
+    """PEFT prompt tuning adds virtual tokens in the wrapper's forward, which the log-prob pass never calls: it
+    raises instead. Fails if the pass scores the prompts without their virtual tokens."""
+    import peft
+
     tuning = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
     prompt_tuned = peft.get_peft_model(tiny("llama"), tuning)
     refused(prompt_tuned, "virtual tokens")
