@@ -420,14 +420,18 @@ def test_padding_changes_neither_loss_nor_gradient(loss_type, level):
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_all_masked_row_and_all_masked_call_are_finite(loss_type):
+    """A row with no valid token gets exactly no gradient, the others a finite one; a call with none has loss 0 and
+    every metric exactly 0. Fails if a mean over no tokens divides by 0 without clamp(min=1) (NaN), or an empty
+    call's metric takes another value (a ratio_min of 1, an inf max)."""
     logp, old, ref, adv, mask, ent = _batch()
     mask[2] = False
     logp.requires_grad_()
     obj = Objective(beta=0.1, loss_type=loss_type)
     loss, m = grpo_loss(logp, old, ref, adv, mask, obj, entropy=ent)
-    assert torch.isfinite(loss) and torch.isfinite(torch.autograd.grad(loss, logp)[0]).all()
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all() and torch.equal(grad[2], torch.zeros(7, **F64))
     loss, m = grpo_loss(logp, old, ref, adv, torch.zeros_like(mask), obj, entropy=ent)
-    assert loss.item() == 0 and all(torch.isfinite(v) for v in m.values())
+    assert loss.item() == 0 and {k: v.item() for k, v in m.items()} == dict.fromkeys(m, 0.0)
 
 
 @pytest.mark.parametrize("loss_type", CLIPPED)
