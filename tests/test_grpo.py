@@ -295,7 +295,12 @@ K3 = Objective(beta=0.1, kl_estimator="k3")  # eps 0.2: clip to [0.8, 1.2]
 
 
 def test_behaviour_weights_multiply_the_policy_term_only():
+    """The loss written out token by token, to 1e-12, on a batch asserted to reach both clips (r > 1.2 with A > 0,
+    r < 0.8 with A < 0), as _batch says it does. Fails if the weights multiply the KL term too, or are clipped with
+    the ratio, or if the clip of eq. 3 is dropped or one-sided."""
     logp, old, ref, adv, mask, _ = _batch()
+    r, A = (logp - old).exp()[mask], adv[:, None].expand_as(logp)[mask]  # (valid tokens,)
+    assert ((r > 1.2) & (A > 0)).any() and ((r < 0.8) & (A < 0)).any(), "the batch must reach both clips"
     logp.requires_grad_()
     w = (0.5 + torch.rand(logp.shape, generator=torch.Generator().manual_seed(1), **F64)).requires_grad_()
     loss, _ = grpo_loss(logp, old, ref, adv, mask, K3, behaviour_weights=w)
