@@ -828,9 +828,15 @@ def test_eval_out_into_a_new_folder_is_created_before_evaluating(model_dir, tmp_
         "temperature-nan",
     ],
 )
-def test_eval_bad_input_is_one_line_before_evaluating(model_dir, tmp_path, capsys, no_model_load, extra, message):
+def test_eval_bad_input_is_one_line_before_evaluating(
+    model_dir, tmp_path, capsys, monkeypatch, no_model_load, extra, message
+):
+    """One line, before the model loads and before anything is written. Run from inside tmp_path: without --out the
+    output (and its probe) is ./predictions.jsonl, so a write into the working directory shows in tmp_path. Fails if
+    a flag is checked after the --out probe, or after the model loads."""
     # no_model_load rather than a patched eval.evaluate: runpy runs a fresh copy of eval.py's functions,
     # and a model that never loads is earlier still than an evaluation that never starts
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "afile").write_text("a regular file, not a folder")
     extra = [str(x).replace("{tmp}", str(tmp_path)) for x in extra]
     argv = without(eval_args(model_dir), *extra[::2]) + extra
