@@ -219,6 +219,9 @@ FORWARD_CASES = [
 
 @pytest.mark.parametrize("name,kind,share", FORWARD_CASES)
 def test_logprobs_and_gradients_equal_the_model_forward(name, kind, share, env):
+    """token_logprobs and its gradients equal the edited model's own forward; each edit is the planted change, shown
+    to move the log-probs by > 1e-2. Fails if the pass computes anything but the model's own modules (a second
+    forward, a cached copy of a weight), which would miss the edit."""
     ids, mask, cmask = rows()
     C, m = cmask.size(1), cmask.bool()
     unedited = forward_logprobs(tiny(kind), ids, mask, C).detach()  # before a class-level edit
@@ -246,7 +249,8 @@ def test_logprobs_and_gradients_equal_the_model_forward(name, kind, share, env):
 @pytest.mark.parametrize("name,kind", CASES)
 def test_sample_logp_equals_the_model_forward(name, kind, env):
     """What rollout.sample records while decoding (fp32, temperature 1) is the log-prob the model's own
-    forward gives the sampled token. Sampling runs in eval mode: no dropout."""
+    forward gives the sampled token. Sampling runs in eval mode: no dropout. Fails if sampling runs weights or
+    modules other than the model's own (a copy made before the edit)."""
     model = edited(name, kind, env)
     prompts = ["w1 w2", "w3 w4 w5 w6 w7 w8 w9"]
     r = rollout.sample(

@@ -349,7 +349,8 @@ def test_fsdp_two_processes_equal_one_process_and_the_all_reduce_path(three_runs
     """Parameters after 2 steps, to the bounds of toy.assert_same_training (FSDP reduce-scatters each
     micro-batch's gradient: another order of the same fp32 sums), prompts shared through the KV cache in all.
     AdamW does not see a gradient's scale, so the logged global gradient norm checks the averaging and the
-    clipping: equal to 1e-5 relative."""
+    clipping: equal to 1e-5 relative. Fails if a rank's gradients are left out of the average, summed instead of
+    averaged, or clipped by the rank's own norm."""
     init = fresh(model_dir).state_dict()
     one = fp32_state(os.path.join(three_runs["one"], "ckpt.pt"))
     for k in one:
@@ -418,7 +419,8 @@ def test_eval_export_and_eval_from_a_dcp_run(three_runs, tmp_path):
 @needs_peft
 def test_lora_on_two_processes_starts_alike_and_averages_the_adapters(model_dir, tmp_path):
     """peft draws A from the global RNG, which train.py seeds per rank: the adapters are drawn from --seed
-    instead, so both ranks start from, and keep, the same adapters, and 2 processes train as 1 does."""
+    instead, so both ranks start from, and keep, the same adapters, and 2 processes train as 1 does. Fails if the
+    adapters are drawn from each rank's seed (the ranks differ), or their gradients are not averaged."""
     one, two, dump = str(tmp_path / "one"), str(tmp_path / "two"), str(tmp_path / "params")
     run_script(TRAIN, train_args(model_dir, one, *LORA, "--config", "export=none", steps=2))
     proc = torchrun(train_args(model_dir, two, *LORA, "--config", "export=none", steps=2), TOY_DUMP_PARAMS=dump)
