@@ -14,6 +14,7 @@ edit moves the log-probs by more than 1e-2.
 """
 
 import copy
+import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +28,9 @@ from conftest import DECODE, EOS, GRADS, VOCAB, assert_close_scaled, make_tokeni
 from rollout import left_pad
 
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")  # peft's
+# peft is optional: the cases that need it skip before they start, the others run on requirements.txt alone
+needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft: pip install peft")
+PEFT_EDITS = {"lora", "add_lora", "peft_base"}
 V = len(VOCAB)
 LINEARS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -179,7 +183,11 @@ EDITS = {  # name: (edit, model kinds)
     "global_hook": (global_hook, BOTH),
     "sliding_window": (sliding_window, ("qwen2",)),
 }
-CASES = [pytest.param(name, kind, id=f"{name}-{kind}") for name, (_, kinds) in EDITS.items() for kind in kinds]
+CASES = [
+    pytest.param(name, kind, id=f"{name}-{kind}", marks=[needs_peft] if name in PEFT_EDITS else [])
+    for name, (_, kinds) in EDITS.items()
+    for kind in kinds
+]
 
 
 @pytest.fixture
@@ -201,7 +209,7 @@ def edited(name, kind, env):
 # dropout draws its masks per call, and a shared prompt's smaller forward draws other ones than whole rows do:
 # the edit with dropout is compared on whole rows only
 FORWARD_CASES = [
-    pytest.param(name, kind, share, id=f"{name}-{kind}-{share}")
+    pytest.param(name, kind, share, id=f"{name}-{kind}-{share}", marks=[needs_peft] if name in PEFT_EDITS else [])
     for name, (_, kinds) in EDITS.items()
     for kind in kinds
     for share in (True, False)
@@ -211,6 +219,9 @@ FORWARD_CASES = [
 
 @pytest.mark.parametrize("name,kind,share", FORWARD_CASES)
 def test_logprobs_and_gradients_equal_the_model_forward(name, kind, share, env):
+    """token_logprobs and its gradients equal the edited model's own forward; each edit is the planted change, shown
+    to move the log-probs by > 1e-2. Fails if the pass computes anything but the model's own modules (a second
+    forward, a cached copy of a weight), which would miss the edit."""
     ids, mask, cmask = rows()
     C, m = cmask.size(1), cmask.bool()
     unedited = forward_logprobs(tiny(kind), ids, mask, C).detach()  # before a class-level edit
@@ -238,7 +249,8 @@ def test_logprobs_and_gradients_equal_the_model_forward(name, kind, share, env):
 @pytest.mark.parametrize("name,kind", CASES)
 def test_sample_logp_equals_the_model_forward(name, kind, env):
     """What rollout.sample records while decoding (fp32, temperature 1) is the log-prob the model's own
-    forward gives the sampled token. Sampling runs in eval mode: no dropout."""
+    forward gives the sampled token. Sampling runs in eval mode: no dropout. Fails if sampling runs weights or
+    modules other than the model's own (a copy made before the edit)."""
     model = edited(name, kind, env)
     prompts = ["w1 w2", "w3 w4 w5 w6 w7 w8 w9"]
     r = rollout.sample(
@@ -326,9 +338,10 @@ def test_a_hook_on_the_whole_model_is_refused(pre):
     refused(model, "forward hook on the whole model")
 
 
-def test_an_overridden_model_forward_or_prompt_tuning_is_refused():
-    """A subclass whose forward() changes the output, or PEFT prompt tuning (virtual tokens added in the
-    wrapper's forward), would run in sampling only: the log-prob pass raises instead."""
+def test_an_overridden_model_forward_is_refused():
+    """A subclass whose forward() changes the output would run in sampling only: the log-prob pass raises instead,
+    while a subclass that leaves forward alone computes the base's log-probs bit for bit. Fails if the check is
+    dropped (doubled logits scored as the head's) or refuses any subclass. Needs no peft (prompt tuning: below)."""
 
     class Scaled(LlamaForCausalLM):
         def forward(self, *args, **kwargs):
@@ -353,7 +366,14 @@ def test_an_overridden_model_forward_or_prompt_tuning_is_refused():
         atol=0,
         rtol=0,
     )
-    peft = pytest.importorskip("peft", reason="pip install peft")
+
+
+@needs_peft
+def test_prompt_tuning_is_refused():
+    """PEFT prompt tuning adds virtual tokens in the wrapper's forward, which the log-prob pass never calls: it
+    raises instead. Fails if the pass scores the prompts without their virtual tokens."""
+    import peft
+
     tuning = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2)
     prompt_tuned = peft.get_peft_model(tiny("llama"), tuning)
     refused(prompt_tuned, "virtual tokens")

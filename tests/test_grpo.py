@@ -295,7 +295,12 @@ K3 = Objective(beta=0.1, kl_estimator="k3")  # eps 0.2: clip to [0.8, 1.2]
 
 
 def test_behaviour_weights_multiply_the_policy_term_only():
+    """The loss written out token by token, to 1e-12, on a batch asserted to reach both clips (r > 1.2 with A > 0,
+    r < 0.8 with A < 0), as _batch says it does. Fails if the weights multiply the KL term too, or are clipped with
+    the ratio, or if the clip of eq. 3 is dropped or one-sided."""
     logp, old, ref, adv, mask, _ = _batch()
+    r, A = (logp - old).exp()[mask], adv[:, None].expand_as(logp)[mask]  # (valid tokens,)
+    assert ((r > 1.2) & (A > 0)).any() and ((r < 0.8) & (A < 0)).any(), "the batch must reach both clips"
     logp.requires_grad_()
     w = (0.5 + torch.rand(logp.shape, generator=torch.Generator().manual_seed(1), **F64)).requires_grad_()
     loss, _ = grpo_loss(logp, old, ref, adv, mask, K3, behaviour_weights=w)
@@ -420,14 +425,18 @@ def test_padding_changes_neither_loss_nor_gradient(loss_type, level):
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_all_masked_row_and_all_masked_call_are_finite(loss_type):
+    """A row with no valid token gets exactly no gradient, the others a finite one; a call with none has loss 0 and
+    every metric exactly 0. Fails if a mean over no tokens divides by 0 without clamp(min=1) (NaN), or an empty
+    call's metric takes another value (a ratio_min of 1, an inf max)."""
     logp, old, ref, adv, mask, ent = _batch()
     mask[2] = False
     logp.requires_grad_()
     obj = Objective(beta=0.1, loss_type=loss_type)
     loss, m = grpo_loss(logp, old, ref, adv, mask, obj, entropy=ent)
-    assert torch.isfinite(loss) and torch.isfinite(torch.autograd.grad(loss, logp)[0]).all()
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all() and torch.equal(grad[2], torch.zeros(7, **F64))
     loss, m = grpo_loss(logp, old, ref, adv, torch.zeros_like(mask), obj, entropy=ent)
-    assert loss.item() == 0 and all(torch.isfinite(v) for v in m.values())
+    assert loss.item() == 0 and {k: v.item() for k, v in m.items()} == dict.fromkeys(m, 0.0)
 
 
 @pytest.mark.parametrize("loss_type", CLIPPED)

@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from grpo import Objective, aggregate, cispo_surrogate, grpo_loss, sapo_surrogate
+from grpo import Objective, aggregate, cispo_surrogate, grpo_loss, importance_ratio, sapo_surrogate
 
 NEW = ("cispo", "sapo")
 TAU = (1.0, 1.05)  # SAPO's temperatures for A > 0 and A <= 0: the paper's and TRL's defaults
@@ -85,7 +85,13 @@ def _paper(loss_type, level, beta, logp, old, ref, adv, mask, w, cap=1.5):
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", NEW)
 def test_cispo_and_sapo_match_the_papers_equations(loss_type, level, beta, weighted):
+    """Loss and gradient to 1e-12 of the equations in fp64. The batch reaches every branch they have: advantages of
+    both signs (SAPO's two temperatures) and ratios above cispo_cap (asserted). Fails if cispo drops its cap or
+    its stop-gradient, or SAPO takes one temperature for both signs."""
     logp, old, ref, w, _, adv, mask = _batch()
+    assert (adv > 0).any() and (adv < 0).any(), "the batch needs advantages of both signs"
+    ratio = (logp - old).exp() if level == "token" else importance_ratio(logp, old, mask, "sequence")  # (N, T)
+    assert (ratio[mask] > 1.5).any() and (ratio[mask] < 1.5).any(), "the batch needs ratios on both sides of the cap"
     w = w if weighted else torch.ones_like(w)
     logp.requires_grad_()
     loss, _ = grpo_loss(logp, old, ref, adv, mask, _obj(loss_type, level, beta), behaviour_weights=w)
@@ -246,11 +252,19 @@ def test_sapo_gate_is_one_on_policy_and_decays_faster_for_negative_advantages():
     assert 0 < g[0, 2] < 1 and 0 < -g[0, 3] < g[0, 2]  # soft, and faster for A <= 0 (tau_neg > tau_pos)
 
 
-@pytest.mark.parametrize("loss_type,like", [("cispo", "dapo"), ("sapo", "grpo")])
-def test_aggregation_is_trls_and_micro_batches_sum_to_the_batch(loss_type, like):
+@pytest.mark.parametrize("loss_type", NEW)
+def test_aggregation_is_trls_and_micro_batches_sum_to_the_batch(loss_type):
+    """aggregate against the formulas written out on the rows: cispo sum_it l / num_tokens (MiniMax-M1 eq. 4, TRL's
+    dapo normaliser), sapo (1/N) sum_i mean_t l (SAPO §3, TRL's grpo); then unequal micro-batches given the batch's
+    num_sequences and num_tokens sum to the whole batch's loss and gradient. Fails if the branch cispo shares with
+    dapo is off by any factor (comparing cispo with dapo could not see it), cispo divides by this call's tokens, or
+    sapo by tokens instead of each row's length."""
     logp, old, ref, w, _, adv, mask = _batch()
     x = torch.where(mask, logp, 1e6)  # padding garbage
-    torch.testing.assert_close(aggregate(x, mask, loss_type, num_tokens=30), aggregate(x, mask, like, num_tokens=30))
+    rows = [x[i, : int(m.sum())] for i, m in enumerate(mask)]
+    want = sum(r.sum() for r in rows) / 30 if loss_type == "cispo" else sum(r.mean() for r in rows) / len(rows)
+    assert mask.sum() != 30  # num_tokens is not this call's count: the formula must read it
+    torch.testing.assert_close(aggregate(x, mask, loss_type, num_tokens=30), want, rtol=1e-12, atol=0)
     obj = _obj(loss_type, beta=0.04)
     full = logp.clone().requires_grad_()
     loss, _ = grpo_loss(full, old, ref, adv, mask, obj, behaviour_weights=w)

@@ -52,14 +52,22 @@ def test_train_expands_user_paths_on_the_command_line_and_in_config_files(model_
     assert config["out_dir"] == str(tmp_path / "home" / "flag")  # recorded expanded: a resume finds it
 
 
-def test_eval_and_plot_expand_user_paths(a_run, tmp_path, monkeypatch):
+def test_eval_expands_user_paths(a_run, tmp_path, monkeypatch):
+    """--ckpt $RUN and --out ~/...: fails if eval.py takes either literally. Needs no optional library (the plot's
+    half, which needs matplotlib, is the next test: this one once skipped after running half)."""
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("RUN", a_run)
     run_script(
         EVAL, ["--ckpt", "$RUN", "--task", "toy", "--limit", 2, "--max-new-tokens", 4, "--out", "~/preds/p.jsonl"]
     )
     assert len(open(tmp_path / "preds" / "p.jsonl").readlines()) == 2
+
+
+def test_plot_expands_user_paths(a_run, tmp_path, monkeypatch):
+    """--plot $RUN and --out ~/...: fails if eval.py --plot takes either literally."""
     pytest.importorskip("matplotlib", reason="pip install -r requirements-extra.txt")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("RUN", a_run)
     run_script(PLOT, ["--plot", "$RUN", "--out", "~/plots/c.png"])
     assert os.path.getsize(tmp_path / "plots" / "c.png") > 0
 
@@ -105,7 +113,10 @@ def test_train_default_out_dir_never_replaces_what_it_did_not_write(model_dir, t
 # a path that must exist is checked before anything is created
 
 
-def test_a_missing_input_creates_nothing(model_dir, tmp_path, capsys):
+def test_a_missing_input_creates_nothing(model_dir, tmp_path, capsys, monkeypatch):
+    """Run from inside tmp_path, so a write into the working directory shows in its tree too. Fails if a script
+    makes its --out-dir / --out folder, or any file, before it checks that its inputs exist."""
+    monkeypatch.chdir(tmp_path)
     new = tmp_path / "new"
     code, line = error_of(
         TRAIN,
@@ -121,7 +132,7 @@ def test_a_missing_input_creates_nothing(model_dir, tmp_path, capsys):
     assert code == 2 and "no checkpoint at" in line, line
     code, line = error_of(PLOT, ["--plot", str(tmp_path / "no_run"), "--out", str(new / "c.png")], capsys)
     assert code == 1 and "no metrics.jsonl" in line, line
-    assert not new.exists()
+    assert tree(tmp_path) == []
 
 
 # -----------------------------------------------------------------------------
@@ -166,7 +177,11 @@ def test_eval_keeps_two_models_of_one_name_apart(model_dir, tmp_path, monkeypatc
 
 
 @pytest.mark.parametrize("script", ["train", "eval"])
-def test_a_seed_beyond_what_torch_takes_is_one_line(model_dir, tmp_path, capsys, script):
+def test_a_seed_beyond_what_torch_takes_is_one_line(model_dir, tmp_path, capsys, monkeypatch, script):
+    """Refused in one line before anything is written. Run from inside tmp_path: eval.py's default output is
+    ./predictions.jsonl, so a write into the working directory shows in its tree. Fails if the seed is checked
+    after a script writes (eval's --out probe, train's out dir) or is left to torch (a traceback)."""
+    monkeypatch.chdir(tmp_path)
     seed = 2**64  # torch.Generator.manual_seed overflows past 2**64 - 1; the runs add step and rank to it
     if script == "train":
         code, line = error_of(TRAIN, train_args(model_dir, str(tmp_path / "run"), "--seed", seed), capsys)
@@ -221,7 +236,10 @@ def test_train_names_nothing_for_the_defaults(model_dir, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("script", ["train", "eval"])
-def test_a_data_dir_for_a_task_that_reads_none_is_refused(model_dir, tmp_path, capsys, script):
+def test_a_data_dir_for_a_task_that_reads_none_is_refused(model_dir, tmp_path, capsys, monkeypatch, script):
+    """Refused in one line before anything is written, run from inside tmp_path (eval.py's default output is
+    ./predictions.jsonl). Fails if --data-dir is ignored for arith, or checked after a script writes."""
+    monkeypatch.chdir(tmp_path)
     if script == "train":
         argv = train_args(model_dir, str(tmp_path / "run"), "--task", "arith", "--data-dir", str(tmp_path))
     else:

@@ -136,7 +136,8 @@ def test_sample_masks_with_pad_eq_eos_and_two_stop_ids(tiny_tok, tiny_model):
 def test_sample_logp_is_zero_after_the_stop_even_with_inf_logits(tiny_tok, tiny_model):
     """A model may put -inf on tokens it never emits (here the pad id). Rows that are done keep
     "sampling" the pad id, whose logp is then -inf, and `logp * mask` gives -inf * 0 = NaN, which
-    poisons any masked sum over sample_logp (e.g. a ratio against old log-probs)."""
+    poisons any masked sum over sample_logp (e.g. a ratio against old log-probs). Exactly 0 off the completion mask,
+    as Rollout says: fails if the mask multiplies (NaN) or the pad's log-prob is clamped instead (finite, not 0)."""
     _, E = -1, EOS
     script = [[_, _, _, _], [E, _, _, _], [_, _, _, _]]
     r = sample(
@@ -149,7 +150,8 @@ def test_sample_logp_is_zero_after_the_stop_even_with_inf_logits(tiny_tok, tiny_
         generator=_gen(),
     )
     assert r.completion_mask[0].tolist() == [1, 1, 0]
-    assert torch.isfinite(r.sample_logp).all(), f"sample_logp after the stop: {r.sample_logp[0].tolist()}"
+    off = r.completion_mask == 0
+    assert (r.sample_logp[off] == 0).all() and torch.isfinite(r.sample_logp).all(), r.sample_logp[0].tolist()
 
 
 def test_sample_stops_early_when_every_row_is_done(tiny_tok, tiny_model):

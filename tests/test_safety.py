@@ -1,8 +1,9 @@
 """A checkpoint cannot run code, and a run ends in one line however it is stopped.
 
-Planted files hold a pickled call of `_mark`-like payloads (os.system touching a file): the test looks for that
-file after each loader refused the checkpoint. Interruptions are real signals to this process, delivered while
-train.py / eval.py are in each phase of their start (tests/toy.py's `fail`).
+Planted files hold a pickled call of os.system touching a marker file: each test looks for that file after the loader
+refused the checkpoint, then unpickles the same file the unsafe way (`fires`) and sees the marker appear, so its
+absence before proved the loader ran nothing, not that the payload was dead. Interruptions are real signals to this
+process, delivered while train.py / eval.py are in each phase of their start (tests/toy.py's `fail`).
 """
 
 import os
@@ -10,6 +11,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -34,6 +36,18 @@ class Payload:
         return os.system, (f"touch {self.path}",)
 
 
+def fires(path, marker):
+    """Unpickle `path` as a loader without weights_only would (torch.load's zip format, or a bare pickle) and
+    return whether the payload ran: the marker it creates must not exist before."""
+    assert not marker.exists()
+    if zipfile.is_zipfile(path):
+        torch.load(path, weights_only=False)
+    else:
+        with open(path, "rb") as f:
+            pickle.load(f)
+    return marker.exists()
+
+
 def plant(ckpt_path, marker, how):
     os.makedirs(os.path.dirname(ckpt_path), exist_ok=True)
     state = {"config": {"model": "x", "task": "toy"}, "step": 1, "model": Payload(marker)}
@@ -51,6 +65,9 @@ def plant(ckpt_path, marker, how):
 @pytest.mark.parametrize("how", ["torch.save", "pickle"])
 @pytest.mark.parametrize("entry", ["train --resume", "eval --ckpt"])
 def test_a_planted_checkpoint_runs_nothing_and_is_one_line(model_dir, tmp_path, capsys, how, entry):
+    """train.py --resume and eval.py --ckpt refuse a checkpoint holding a live payload, in one line. Fails if
+    run.load_checkpoint reads it with torch.load(weights_only=False) (the marker appears) or lets the
+    UnpicklingError through (a traceback)."""
     marker, ckpt = tmp_path / "ran", str(tmp_path / "shared" / "ckpt.pt")
     plant(ckpt, marker, how)
     if entry == "train --resume":
@@ -61,6 +78,7 @@ def test_a_planted_checkpoint_runs_nothing_and_is_one_line(model_dir, tmp_path, 
     assert code == 2 and ckpt in line and "nothing in it ran" in line, line
     if how == "pickle":  # protocol 2 names its globals: the line says what the file held
         assert "posix.system" in line or "nt.system" in line, line
+    assert fires(ckpt, marker)  # the payload is live: unpickled unsafely, it runs
 
 
 def test_a_checkpoint_train_py_wrote_loads_with_weights_only(model_dir, tmp_path):
@@ -84,8 +102,8 @@ def test_a_checkpoint_train_py_wrote_loads_with_weights_only(model_dir, tmp_path
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # the test's own one-process save
 def test_a_planted_dcp_folder_runs_nothing(model_dir, tmp_path, capsys):
     """An --fsdp run's checkpoint names a DCP folder beside it; DCP unpickles that folder's .metadata itself:
-    a planted one is refused before DCP reads it (eval.py --ckpt; train.py --resume reads it the same way)."""
-    pytest.importorskip("peft", reason="pip install -r requirements-extra.txt")  # scale.py's optional imports
+    a planted one is refused before DCP reads it (eval.py --ckpt; train.py --resume reads it the same way). Needs
+    no optional library. Fails if scale.load_dcp leaves .metadata to DCP's own pickle.load (the marker appears)."""
     import torch.distributed.checkpoint as dcp
 
     marker, folder = tmp_path / "ran", tmp_path / "run"
@@ -99,6 +117,7 @@ def test_a_planted_dcp_folder_runs_nothing(model_dir, tmp_path, capsys):
     code, line = error_of(EVAL, ["--ckpt", str(folder), "--task", "arith"], capsys)
     assert not marker.exists()
     assert code == 2 and "dcp-000001 is not a DCP checkpoint train.py wrote" in line and "system" in line, line
+    assert fires(folder / "dcp-000001" / ".metadata", marker)  # the payload is live: unpickled unsafely, it runs
     # a name that leaves the run's folder is refused too
     torch.save({"config": {"model": model_dir}, "step": 1, "dcp": "../elsewhere"}, folder / "ckpt.pt")
     code, line = error_of(EVAL, ["--ckpt", str(folder), "--task", "arith"], capsys)
@@ -106,7 +125,8 @@ def test_a_planted_dcp_folder_runs_nothing(model_dir, tmp_path, capsys):
 
 
 def test_a_model_folder_with_a_pickled_payload_runs_nothing(model_dir, tmp_path, capsys):
-    """--model DIR with a pytorch_model.bin: transformers reads it with weights_only, so nothing runs."""
+    """--model DIR with a pytorch_model.bin: transformers reads it with weights_only, so nothing runs. Fails if the
+    model loads with torch.load(weights_only=False) (the marker appears)."""
     marker, folder = tmp_path / "ran", tmp_path / "model"
     folder.mkdir()
     for name in os.listdir(model_dir):
@@ -115,6 +135,7 @@ def test_a_model_folder_with_a_pickled_payload_runs_nothing(model_dir, tmp_path,
     torch.save({"model.embed_tokens.weight": Payload(marker)}, folder / "pytorch_model.bin")
     code, line = error_of(TRAIN, train_args(str(folder), str(tmp_path / "out"), steps=1), capsys)
     assert not marker.exists() and code == 2 and "could not load model" in line, line
+    assert fires(folder / "pytorch_model.bin", marker)  # the payload is live: unpickled unsafely, it runs
 
 
 # -----------------------------------------------------------------------------

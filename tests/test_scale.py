@@ -331,18 +331,6 @@ def fp32_state(path):
     return torch.load(path, weights_only=True)["model"]
 
 
-def assert_same_training(want, got, lr=1e-3, steps=2):
-    """Weights after `steps` AdamW updates that summed the same fp32 gradients in different orders, so the
-    gradients differ in their last bits. AdamW's update lr * m / (sqrt(v) + 1e-8) keeps that relative error
-    (~1e-7) for an element whose gradient is well above 1e-8: such elements agree to steps * lr * 1e-6 plus
-    an ulp of the weight, under 1e-6. An element whose gradient is itself rounding noise near 1e-8 (sums
-    that cancel) can move anywhere in [-lr, lr] per step; a handful do (2 of 20k measured): so 1e-6 for
-    all but 0.1% of the elements, 2 * steps * lr for every one."""
-    assert want.keys() <= got.keys()
-    diff = torch.cat([(want[k] - got[k]).abs().flatten() for k in want])
-    assert (diff > 1e-6).float().mean() < 1e-3 and diff.max() <= 2 * steps * lr, diff.max()
-
-
 @pytest.fixture(scope="module")
 def three_runs(model_dir, tmp_path_factory):
     """The same 2 steps (4 completions x 2 prompts, an eval row each step) on 1 process, on 2 processes
@@ -362,16 +350,17 @@ def three_runs(model_dir, tmp_path_factory):
 
 @pytest.mark.slow
 def test_fsdp_two_processes_equal_one_process_and_the_all_reduce_path(three_runs, model_dir):
-    """Parameters after 2 steps, to the bounds of assert_same_training (FSDP reduce-scatters each
+    """Parameters after 2 steps, to the bounds of toy.assert_same_training (FSDP reduce-scatters each
     micro-batch's gradient: another order of the same fp32 sums), prompts shared through the KV cache in all.
     AdamW does not see a gradient's scale, so the logged global gradient norm checks the averaging and the
-    clipping: equal to 1e-5 relative."""
+    clipping: equal to 1e-5 relative. Fails if a rank's gradients are left out of the average, summed instead of
+    averaged, or clipped by the rank's own norm."""
     init = fresh(model_dir).state_dict()
     one = fp32_state(os.path.join(three_runs["one"], "ckpt.pt"))
     for k in one:
         assert (one[k] - init[k]).abs().max() > 1e-4, k  # every tensor trained
-    assert_same_training(one, fp32_state(os.path.join(three_runs["ddp"], "ckpt.pt")))
-    assert_same_training(one, fp32_state(os.path.join(three_runs["fsdp"], "hf")))
+    toy.assert_same_training(one, fp32_state(os.path.join(three_runs["ddp"], "ckpt.pt")))
+    toy.assert_same_training(one, fp32_state(os.path.join(three_runs["fsdp"], "hf")))
     rows = {k: read_metrics(v) for k, v in three_runs.items()}
     assert [r["step"] for r in rows["fsdp"]] == [0, 1, 1, 2, 2]  # eval rows at 0, 1, 2 and the two steps
     for name in ("ddp", "fsdp"):
@@ -434,7 +423,8 @@ def test_eval_export_and_eval_from_a_dcp_run(three_runs, tmp_path):
 @needs_peft
 def test_lora_on_two_processes_starts_alike_and_averages_the_adapters(model_dir, tmp_path):
     """peft draws A from the global RNG, which train.py seeds per rank: the adapters are drawn from --seed
-    instead, so both ranks start from, and keep, the same adapters, and 2 processes train as 1 does."""
+    instead, so both ranks start from, and keep, the same adapters, and 2 processes train as 1 does. Fails if the
+    adapters are drawn from each rank's seed (the ranks differ), or their gradients are not averaged."""
     one, two, dump = str(tmp_path / "one"), str(tmp_path / "two"), str(tmp_path / "params")
     run_script(TRAIN, train_args(model_dir, one, *LORA, "--config", "export=none", steps=2))
     proc = torchrun(train_args(model_dir, two, *LORA, "--config", "export=none", steps=2), TOY_DUMP_PARAMS=dump)
@@ -443,4 +433,4 @@ def test_lora_on_two_processes_starts_alike_and_averages_the_adapters(model_dir,
     for k, v in p0.items():
         assert torch.equal(v, p1[k]), k
     a, b = (torch.load(os.path.join(d, "ckpt.pt"), weights_only=True)["model"] for d in (one, two))
-    assert_same_training(a, b)
+    toy.assert_same_training(a, b)

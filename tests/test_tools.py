@@ -271,18 +271,23 @@ def test_tags_errors_are_the_rows_results_and_the_run_goes_on():
 
 
 def test_slow_tools_time_out_together_and_the_step_returns():
+    """Three calls that never answer in time, made on one step, run at once under one shared deadline: the step
+    takes the timeout T once (T <= t < 2T), where calls in series would take 3T. Fails if the calls run one after
+    another, or each gets a deadline of its own (t.join(timeout) per thread)."""
+    T = 0.5
     tok = tags_tokenizer()
-    env = ToolEnv([slow], tok, timeout=0.2)
+    env = ToolEnv([slow], tok, timeout=T)
     env.reset(3)
     call = ids(tok, "<slow> w1 </slow>")
     for t in call[:-1]:
         env.step(torch.tensor([t] * 3), torch.zeros(3, dtype=torch.bool))
     start = time.monotonic()
     _, is_env, end = env.step(torch.tensor([call[-1]] * 3), torch.zeros(3, dtype=torch.bool))
-    assert time.monotonic() - start < 2  # three calls, one shared 0.2 s deadline: a hang guard, not a benchmark
+    elapsed = time.monotonic() - start
+    assert T <= elapsed < 2 * T, f"{elapsed:.2f} s for three calls with a {T} s timeout (in series: {3 * T} s)"
     assert not is_env.any() and not end.any()  # the reply is fed from the next step on
     reply = ids(
-        tok, "<|im_end|> <|im_start|> user Result: error: slow timed out after 0.2 s <|im_end|> <|im_start|> assistant"
+        tok, f"<|im_end|> <|im_start|> user Result: error: slow timed out after {T} s <|im_end|> <|im_start|> assistant"
     )  # the words the vocabulary lacks are <unk> in both
     fed = [env.step(torch.tensor([0] * 3), torch.zeros(3, dtype=torch.bool)) for _ in range(len(reply) + 1)]
     assert [f[0].tolist() for f in fed] == [[t] * 3 for t in reply] + [[0] * 3]
