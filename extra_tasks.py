@@ -5,6 +5,7 @@
 - rg:NAME, rg:A+B: a reasoning-gym dataset (github.com/open-thought/reasoning-gym, Apache-2.0), or a weighted mix,
   scored by the dataset's own `score_answer`; configured by `task_options` (train.py's config key)."""
 
+import dataclasses
 import difflib
 import hashlib
 import random
@@ -224,7 +225,10 @@ def rg_dataset(names, options):
     for name in names:
         if name not in known:
             near = difflib.get_close_matches(name, known, 3) or known[:3]
-            raise ValueError(f"unknown reasoning-gym dataset {name!r}; e.g. {', '.join(near)} ({len(known)} in all)")
+            raise ValueError(
+                f"unknown reasoning-gym dataset {name!r}; pass rg:NAME, NAME one of reasoning_gym.factory.DATASETS "
+                f"({len(known)}), e.g. {', '.join(near)}"
+            )
     seed = options.get("seed", 0)
     fields = {k: v for k, v in options.items() if k not in ("seed", "size")}
     try:
@@ -240,7 +244,9 @@ def rg_dataset(names, options):
             spec.config = {k: v for k, v in spec.config.items() if k != "weight"}
         return reasoning_gym.create_dataset("composite", seed=seed, size=RG_DRAWS, datasets=specs)
     except (TypeError, ValueError, AssertionError, KeyError) as e:  # its config dataclass and validate() raise these
-        raise ValueError(f"task_options for rg:{'+'.join(names)}: {e}; set the dataset's own config fields") from None
+        own = {n: [f.name for f in dataclasses.fields(reasoning_gym.factory.DATASETS[n][1])] for n in names}
+        hint = "; ".join(f"{n}'s: {', '.join(f for f in fs if f not in ('seed', 'size'))}" for n, fs in own.items())
+        raise ValueError(f"task_options for rg:{'+'.join(names)}: {e}; the config fields are {hint}") from None
 
 
 def rg_task(name, options):

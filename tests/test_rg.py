@@ -125,14 +125,15 @@ def loaded(*a, **k):
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--config", "task_options={'min_digitz': 1}"], "unexpected keyword argument 'min_digitz'"),
+        (["--config", "task_options={'min_digitz': 1}"], "'min_digitz'; the config fields are chain_sum's: min_terms,"),
         (["--config", "task_options=[1]"], "config key task_options must be a dict literal"),
         (["--config", "task_options={'size': 0}"], "task_options 'size' must be an integer >= 1"),
-        (["--task", "rg:chain_sums"], "unknown reasoning-gym dataset 'chain_sums'; e.g. chain_sum"),
+        (["--task", "rg:chain_sums"], "unknown reasoning-gym dataset 'chain_sums'; pass rg:NAME"),
     ],
 )
 def test_bad_rg_input_is_one_line_before_the_model_loads(model_dir, tmp_path, capsys, monkeypatch, extra, message):
-    """Fails if a bad dataset name or config field reaches reasoning-gym's own traceback, or the model loads first."""
+    """Fails if a bad dataset name or config field reaches reasoning-gym's own traceback, if the line does not say
+    what to pass instead (the dataset's fields, the nearest names), or if the model loads first."""
     monkeypatch.setattr("models.load_model", loaded)
     argv = rg_args(model_dir, str(tmp_path / "run"))
     if extra[0] == "--task":
@@ -141,6 +142,8 @@ def test_bad_rg_input_is_one_line_before_the_model_loads(model_dir, tmp_path, ca
         argv += extra
     code, line = error_of(TRAIN, argv, capsys)
     assert code == 2 and message in line, line
+    if extra[0] == "--task":
+        assert "e.g. chain_sum" in line, line  # the nearest name first
 
 
 def test_missing_reasoning_gym_is_one_line(model_dir, tmp_path, capsys, monkeypatch):
