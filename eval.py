@@ -2,7 +2,8 @@
 Accuracy of a model or a train.py checkpoint on a task's test split; curves of train.py runs.
 
     python eval.py --task gsm8k --model smollm2-135m --limit 200
-    python eval.py --task arith --ckpt out/arith            # a train.py run (its ckpt.pt)
+    python eval.py --ckpt out/arith                         # a train.py run (its ckpt.pt) on its own task
+    python eval.py --task rg:chain_sum --task-options "{'max_digits': 1}" --model smollm2-135m  # reasoning-gym
     python eval.py --task gsm8k --model X --n 8 --temperature 1.0   # sampled: pass@1, @2, @4, @8
     python eval.py --ckpt out/arith --export out/arith_hf    # a HF folder from a checkpoint; no eval
     python eval.py --plot out/a out/b --out curves.png      # runs' curves (matplotlib); --key kl, --smooth 1
@@ -16,6 +17,7 @@ as a running mean over --smooth steps, --eval-key (eval/strict_acc if logged) as
 """
 
 import argparse
+import ast
 import copy
 import json
 import os
@@ -87,10 +89,45 @@ def load_checkpoint_model(path, device, dtype, merge=True):
     return model.to(device, dtype), load_tokenizer(cfg["model"]), cfg
 
 
+def dict_literal(text):  # --task-options' text -> a dict, or ValueError in one line
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"--task-options {text!r} is not a dict literal; pass e.g. \"{{'max_digits': 1}}\"")
+    return value
+
+
+def resolve_task(args):
+    """--task's Task; without it a --ckpt run's task, data dir and task options (flags given still win), said in one
+    first line; else gsm8k. Other tasks than tasks.py's are imported only when named."""
+    cfg = run.load_checkpoint(args.ckpt)[1]["config"] if args.ckpt else {}
+    options = None
+    if args.task_options is not None:
+        options = dict_literal(args.task_options)
+    if args.task is None and cfg.get("task"):
+        args.task = cfg["task"]
+        args.data_dir = args.data_dir or cfg.get("data_dir")
+        if options is None:
+            options = cfg.get("task_options", {})
+        said = [f"task {args.task}", args.data_dir and f"data dir {args.data_dir}", options and "its options"]
+        print(f"{', '.join(filter(None, said))} (from the run; --task to change)")
+    args.task = args.task or "gsm8k"
+    if options and not args.task.startswith("rg:"):
+        raise ValueError(f"--task-options configures an rg: task, not {args.task}; drop it")
+    if args.task in TASKS:
+        return TASKS[args.task]
+    import extra_tasks
+
+    return extra_tasks.get(args.task, options)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", default="gsm8k", choices=sorted(TASKS))
+    p.add_argument("--task", help="tasks.py, extra_tasks.py, rg:NAME (default: a --ckpt run's task, else gsm8k)")
     p.add_argument("--data-dir", type=run.user_path, help="local GSM8K dir (else $GSM8K_DIR, else download)")
+    p.add_argument("--task-options", help="an rg: task's config, e.g. \"{'max_digits': 1}\"")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", type=run.user_path, help="hub id, local HF dir, .gguf file or smollm2-135m")
     src.add_argument("--ckpt", type=run.user_path, help="train.py out dir or ckpt.pt")
@@ -165,12 +202,12 @@ def main():
         device = resolve_device(args.device)
         dtype, note = resolve_dtype(args.dtype, device)
         check_dtype(device, dtype)
-        task = TASKS[args.task]
+        task = resolve_task(args)
         examples = task.load(args.split, data_dir=args.data_dir)[: args.limit]  # what must exist, before any write
         beside = (
             os.path.join(
                 args.ckpt if os.path.isdir(args.ckpt) else os.path.dirname(args.ckpt),
-                f"predictions_{args.task}_{args.split}.jsonl",
+                f"predictions_{args.task.replace(':', '-')}_{args.split}.jsonl",
             )
             if args.ckpt
             else "predictions.jsonl"
@@ -186,7 +223,6 @@ def main():
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise ValueError(f"--out {out} cannot be written ({folder} is not a writable folder); pass another path")
         name = args.model or "smollm2-135m"
-        cfg = run.load_checkpoint(args.ckpt)[1]["config"] if args.ckpt else {}  # checked before the output's folder
         if not args.ckpt:
             load_tokenizer(name)  # the model named is there (its weights load later)
         try:  # before the evaluation, not after it: a bad path must not cost the run
@@ -198,7 +234,7 @@ def main():
         model, tok, cfg = (
             load_checkpoint_model(args.ckpt, device, dtype)
             if args.ckpt
-            else (load_model(name, device, dtype, trainable=False), load_tokenizer(name), cfg)
+            else (load_model(name, device, dtype, trainable=False), load_tokenizer(name), {})
         )
         env = task.tools(tok, cfg.get("max_tool_calls", 4)) if task.tools else None  # the run's call limit
     except ValueError as e:  # ModelError, DataError, a bad checkpoint or path: what was named cannot be used

@@ -2,8 +2,13 @@
 - arith_steps: "What is 3 + 4 * 2 - 5?", a reward per line, for process supervision (DeepSeekMath §4.1.3): the step
   rewards and the token each step ends on (`step_positions`, for grpo.process_advantages).
 - arith_tool: "What is 482 * 937?" with a calculator (envs.py); arith_mul: the same without it.
-- gsm8k_python: GSM8K with a python tool, code run in a sandboxed interpreter (envs.python)."""
+- gsm8k_python: GSM8K with a python tool, code run in a sandboxed interpreter (envs.python).
+- rg:NAME, rg:A+B: a reasoning-gym dataset (github.com/open-thought/reasoning-gym, Apache-2.0), or a weighted mix,
+  scored by the dataset's own `score_answer`; configured by `task_options` (train.py's config key)."""
 
+import dataclasses
+import difflib
+import hashlib
 import random
 import re
 from bisect import bisect_left
@@ -11,7 +16,7 @@ from functools import partial
 
 import torch
 
-from rewards import answers_match
+from rewards import answers_match, extract_flexible
 from tasks import (
     ARITH_OPS,
     OPS,
@@ -175,8 +180,139 @@ EXTRA["gsm8k_python"] = Task(
 )
 
 
-def get(name):
-    """The task called `name`; ValueError in one line naming every task when there is none."""
+# rg:NAME: reasoning-gym, imported only here (~1 s, matplotlib with it) and only when such a task is named
+RG_HINT = "reasoning-gym tasks need it: pip install reasoning-gym==0.1.25 (its pycosat compiles: gcc, Python headers)"
+# reasoning-gym's own convention (utils.SYSTEM_PROMPTS) in short, with one worked example: else a 135M model rarely
+# writes the tags
+RG_PROMPT = (
+    "Answer the question. End with a final line: <answer>your answer</answer>\n"
+    "Example:\nWhat is 3 + 4?\n3 + 4 = 7\n<answer>7</answer>"
+)
+RG_TEST_PERCENT = 50  # test-only share of the questions: a small space (1-digit sums) still holds ~100 of each
+RG_DRAWS = 30_000  # items generated per split at most: 3x the 10,000 train questions (repeats are skipped)
+TAG_RE = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)  # reasoning_gym.utils.extract_answer's pattern
+
+
+def rg_is_test(question):  # split by a hash of the question text: whatever the seeds, test never meets train
+    h = hashlib.sha256(question.encode()).digest()
+    return int.from_bytes(h[:4], "little") % 100 < RG_TEST_PERCENT
+
+
+def rg_extract(completion):
+    """The answer reasoning-gym's prompts ask for: the last `<answer>...</answer>`, stripped; without tags (a small
+    model before it learns them) the last number, else the last non-empty line; None for an empty completion."""
+    tagged = TAG_RE.findall(completion)
+    if tagged:
+        return tagged[-1].strip()
+    number = extract_flexible(completion)
+    if number is not None:
+        return number
+    lines = [line.strip() for line in completion.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def rg_score(dataset, completion, entry):  # the dataset's own verifier, partial credit kept
+    try:
+        return float(dataset.score_answer(rg_extract(completion), entry))
+    except Exception:  # a verifier may raise on what a model wrote (sympy, int()): that answer scores 0
+        return 0.0
+
+
+def rg_correct(dataset, completions, entry, **_):
+    return [rg_score(dataset, c, e) for c, e in zip(completions, entry)]
+
+
+def rg_format(completions, **_):  # 1.0 where the last tags hold an answer
+    return [float(bool((TAG_RE.findall(c) or [""])[-1].strip())) for c in completions]
+
+
+def rg_score_example(dataset, completion, example):  # eval.py's: strict counts only a full score
+    score = rg_score(dataset, completion, example["entry"])
+    return {
+        "pred": rg_extract(completion),
+        "strict": score == 1.0,
+        "flexible": answers_match(extract_flexible(completion), example["answer"]),
+        "format": rg_format([completion])[0] == 1.0,
+        "score": score,
+    }
+
+
+def load_rg(dataset, test_n, split, data_dir=None, n=None):
+    """n distinct questions of `split` (test: test_n by default) {"question", "answer", "entry" (reasoning-gym's item),
+    "source" (a mix's)}, in the dataset's order; fewer when its RG_DRAWS items hold fewer."""
+    if n is None and split == "test":
+        n = test_n
+    n = check_generated(split, n=n, data_dir=data_dir)
+    examples = {}
+    for i in range(len(dataset)):
+        entry = dataset[i]
+        q = entry["question"]
+        if q not in examples and rg_is_test(q) == (split == "test"):
+            examples[q] = {"question": q, "answer": str(entry["answer"]), "entry": entry}
+            if type(dataset).__name__ == "CompositeDataset":  # eval.py reports each source's accuracy
+                examples[q]["source"] = entry["metadata"]["source_dataset"]
+        if len(examples) == n:
+            break
+    return list(examples.values())
+
+
+def rg_dataset(names, options):
+    """The reasoning-gym dataset of `names` (one, or a mix: options[name] its config and "weight", default 1) with
+    RG_DRAWS items from options' "seed" (0); ValueError in one line for a missing library, name or config field."""
+    try:
+        import reasoning_gym
+    except ImportError as e:
+        raise ValueError(f"{RG_HINT} ({e})") from None
+    known = sorted(set(reasoning_gym.factory.DATASETS) - {"composite"})
+    for name in names:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, 3) or known[:3]
+            raise ValueError(
+                f"unknown reasoning-gym dataset {name!r}; pass rg:NAME, NAME one of reasoning_gym.factory.DATASETS "
+                f"({len(known)}), e.g. {', '.join(near)}"
+            )
+    seed = options.get("seed", 0)
+    fields = {k: v for k, v in options.items() if k not in ("seed", "size")}
+    try:
+        if len(names) == 1:
+            return reasoning_gym.create_dataset(names[0], seed=seed, size=RG_DRAWS, **fields)
+        for key, value in fields.items():
+            if key not in names or not isinstance(value, dict):
+                raise ValueError(f"{key!r} is not one of {names} with a dict of its config")
+        specs = [
+            reasoning_gym.composite.DatasetSpec(n, fields.get(n, {}).get("weight", 1), fields.get(n, {})) for n in names
+        ]
+        for spec in specs:
+            spec.config = {k: v for k, v in spec.config.items() if k != "weight"}
+        return reasoning_gym.create_dataset("composite", seed=seed, size=RG_DRAWS, datasets=specs)
+    except (TypeError, ValueError, AssertionError, KeyError) as e:  # its config dataclass and validate() raise these
+        own = {n: [f.name for f in dataclasses.fields(reasoning_gym.factory.DATASETS[n][1])] for n in names}
+        hint = "; ".join(f"{n}'s: {', '.join(f for f in fs if f not in ('seed', 'size'))}" for n, fs in own.items())
+        raise ValueError(f"task_options for rg:{'+'.join(names)}: {e}; the config fields are {hint}") from None
+
+
+def rg_task(name, options):
+    """rg:NAME or rg:A+B (a mix) as a Task: the dataset's questions, RG_PROMPT, its score_answer as the reward."""
+    for key in ("seed", "size"):
+        if key in options and (type(options[key]) is not int or options[key] < (key == "size")):
+            raise ValueError(f"task_options {key!r} must be an integer >= {int(key == 'size')}, got {options[key]!r}")
+    dataset = rg_dataset(name.removeprefix("rg:").split("+"), options)
+    return Task(
+        partial(load_rg, dataset, options.get("size", 200)),  # "size": the test split's
+        partial(chat_prompt, RG_PROMPT),
+        {"correct": partial(rg_correct, dataset), "format": rg_format},
+        dict(WEIGHTS),
+        partial(rg_score_example, dataset),
+    )
+
+
+def get(name, options=None):
+    """The task called `name` (options: an rg: task's config); ValueError in one line naming every task when there is
+    none."""
+    if name.startswith("rg:"):
+        return rg_task(name, options or {})
     if name not in EXTRA:
-        raise ValueError(f"unknown task {name!r}; tasks: {', '.join(sorted({**TASKS, **EXTRA}))}")
+        raise ValueError(
+            f"unknown task {name!r}; tasks: {', '.join(sorted({**TASKS, **EXTRA}))}, rg:NAME (reasoning-gym)"
+        )
     return EXTRA[name]

@@ -121,6 +121,7 @@ def idle(args, given, tools):
             ("eval_every", args.eval_n == 0 and "--eval-n 0"),
             ("max_resample", not args.dynamic_sampling and "no --dynamic-sampling"),
             ("max_tool_calls", not tools and f"task {args.task} has no tools"),
+            ("task_options", not args.task.startswith("rg:") and f"task {args.task} is not a reasoning-gym task"),
         ]
         if why
         for name in sorted(given.intersection(names.split()))
@@ -132,6 +133,7 @@ KINDS = {
     int: (lambda v: type(v) is int, "an integer"),
     float: (lambda v: type(v) in (int, float) and math.isfinite(v), "a finite number"),
     str: (lambda v: isinstance(v, str), "a string"),
+    dict: (lambda v: isinstance(v, dict), "a dict literal, e.g. {'max_digits': 1}"),
 }
 
 

@@ -239,6 +239,8 @@ def evaluate(
                         "pred": scores[0]["pred"],
                         "correct": scores[0]["strict"],
                         **{k: sum(s[k] for s in scores) / n for k in ("strict", "flexible", "format")},
+                        **({"score": sum(s["score"] for s in scores) / n} if "score" in scores[0] else {}),
+                        **({"source": ex["source"]} if "source" in ex else {}),
                         **({"completions": outs} if n > 1 else {}),
                         **({"tool_calls": calls[j], "called": called[j]} if env is not None else {}),
                     }
@@ -246,7 +248,11 @@ def evaluate(
             bar.update(len(batch))
     m, names = max(len(records), 1), {"strict": "strict_acc", "flexible": "flexible_acc", "format": "format_rate"}
     names.update({"called": "tool_call_rate", "tool_calls": "tool_calls"} if env is not None else {})
+    names.update({"score": "score"} if records and "score" in records[0] else {})  # a partial-credit mean
     summary = {"n_examples": len(records), **{name: sum(r[k] for r in records) / m for k, name in names.items()}}
+    for source in sorted({r["source"] for r in records if "source" in r}):  # a mix: which task moved
+        mine = [r["strict"] for r in records if r.get("source") == source]
+        summary[f"strict_acc/{source}"] = sum(mine) / len(mine)
     if n > 1:
         ks = sorted({2**j for j in range(n.bit_length())} | {n})  # 1, 2, 4, ... up to n, and n
         summary.update({f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / m for k in ks})

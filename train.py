@@ -22,7 +22,7 @@ fmt = type("Help", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 p = argparse.ArgumentParser(description=__doc__, formatter_class=fmt)
 p.add_argument("--config", action="append", default=[], help="a file of `name = value` lines, or name=value")
 g = p.add_argument_group("task and model")
-g.add_argument("--task", default="gsm8k", help="tasks.py, extra_tasks.py")
+g.add_argument("--task", default="gsm8k", help="tasks.py, extra_tasks.py, rg:NAME (reasoning-gym; rg:A+B a mix)")
 g.add_argument("--data-dir", default=None, help="local GSM8K dir (else $GSM8K_DIR, else download once)")
 g.add_argument("--model", default="smollm2-135m", help="hub id, local HF dir, .gguf file or smollm2-135m")
 g.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:1 | mps")
@@ -80,8 +80,9 @@ CONSTANTS = {  # knobs few would sweep: (default, range or choices); set in a co
     "cispo_cap": (5.0, ">= 1"),
     "sapo_temperature_pos": (1.0, "> 0"),
     "sapo_temperature_neg": (1.05, "> 0"),
-    "max_tool_calls": (4, ">= 1"),
-}  # a task with tools: a row's next call ends it (envs.py)
+    "max_tool_calls": (4, ">= 1"),  # a task with tools: a row's next call ends it (envs.py)
+    "task_options": ({}, None),  # rg: tasks: the dataset's config fields, "seed", "size" (of test) (extra_tasks.py)
+}
 RANGES = {
     "group_size": ">= 2",
     "prompts_per_step": ">= 1",
@@ -110,7 +111,7 @@ if task is None:  # the other tasks, imported only when named
     import extra_tasks
 
     try:
-        task = extra_tasks.get(args.task)
+        task = extra_tasks.get(args.task, args.task_options)
     except ValueError as e:
         p.error(str(e))
 N = local_prompts * G  # completions per rank per step
