@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM
 
 import run
 from models import DTYPES, check_dtype, load_model, load_tokenizer, resolve_device, resolve_dtype
+import extra_tasks
 from tasks import TASKS, evaluate, pass_at_k  # noqa: F401 (pass_at_k: eval.pass_at_k)
 
 
@@ -89,7 +90,7 @@ def load_checkpoint_model(path, device, dtype, merge=True):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--task", default="gsm8k", choices=sorted(TASKS))
+    p.add_argument("--task", default="gsm8k", choices=sorted({**TASKS, **extra_tasks.EXTRA}))
     p.add_argument("--data-dir", type=run.user_path, help="local GSM8K dir (else $GSM8K_DIR, else download)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", type=run.user_path, help="hub id, local HF dir, .gguf file or smollm2-135m")
@@ -165,7 +166,7 @@ def main():
         device = resolve_device(args.device)
         dtype, note = resolve_dtype(args.dtype, device)
         check_dtype(device, dtype)
-        task = TASKS[args.task]
+        task = TASKS.get(args.task) or extra_tasks.get(args.task)
         examples = task.load(args.split, data_dir=args.data_dir)[: args.limit]  # what must exist, before any write
         beside = (
             os.path.join(
@@ -200,7 +201,8 @@ def main():
             if args.ckpt
             else (load_model(name, device, dtype, trainable=False), load_tokenizer(name), cfg)
         )
-        env = task.tools(tok, cfg.get("max_tool_calls", 4)) if task.tools else None  # the run's call limit
+        keys = {k: cfg[k] for k in ("max_reply_tokens", "max_attempts") if k in cfg}  # the run's, else defaults
+        env = task.tools(tok, cfg.get("max_tool_calls", 4), **keys) if task.tools else None
     except ValueError as e:  # ModelError, DataError, a bad checkpoint or path: what was named cannot be used
         p.error(str(e))
     try:

@@ -80,8 +80,10 @@ CONSTANTS = {  # knobs few would sweep: (default, range or choices); set in a co
     "cispo_cap": (5.0, ">= 1"),
     "sapo_temperature_pos": (1.0, "> 0"),
     "sapo_temperature_neg": (1.05, "> 0"),
-    "max_tool_calls": (4, ">= 1"),
-}  # a task with tools: a row's next call ends it (envs.py)
+    "max_tool_calls": (4, ">= 1"),  # a task with tools: later calls get an error reply (envs.py)
+    "max_reply_tokens": (64, ">= 1"),  # an environment's reply is cut to this many tokens
+    "max_attempts": (2, ">= 1"),  # a task with feedback (arith_retry): answers a row may give
+}
 RANGES = {
     "group_size": ">= 2",
     "prompts_per_step": ">= 1",
@@ -172,7 +174,8 @@ if ddp:
 if args.fsdp or args.lora_rank or ddp:
     import scale
 gathered = scale.gathered if args.fsdp else nullcontext  # --fsdp: sampling needs whole weights
-env = task.tools(tokenizer, args.max_tool_calls) if task.tools else None  # a ToolEnv (envs.py) feeds tool replies
+env_keys = {k: getattr(args, k) for k in ("max_reply_tokens", "max_attempts")}  # an envs.EnvDriver feeds replies
+env = task.tools(tokenizer, args.max_tool_calls, **env_keys) if task.tools else None
 torch.manual_seed(args.seed + rank)
 autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
@@ -264,6 +267,7 @@ def collect(step):
                 dtype,
                 context - args.max_new_tokens,
                 env,
+                exs,
             )
         fields = {f: [e[f] for e in exs for _ in range(G)] for f in exs[0]}  # each example's fields, G times
         try:
@@ -273,8 +277,8 @@ def collect(step):
                 r.completions,
                 **fields,  # and per completion:
                 num_tokens=(r.completion_mask + r.env_mask.long()).sum(1).tolist(),
-                tool_calls=r.tool_calls.tolist(),
-                tool_errors=r.tool_errors.tolist(),
+                trajectory=r.trajectories,  # completions: the model's own words; this: the replies too
+                **r.state_fields,  # its environment's: tool_calls, tool_errors, attempts ...
             )
         except RewardError as e:
             sys.exit(f"error: step {step + 1}: {e}")
