@@ -25,11 +25,11 @@ import toy
 from conftest import DECODE, ENDOFTEXT, EOS, VOCAB, assert_close_scaled, make_tokenizer, tiny
 from rollout import batch_logprobs, completion_hidden, sample, token_logprobs
 from tasks import TASKS, evaluate
-from toy import REPO, TIMING, TOY_TRAIN, TRAIN, WordToolEnv, read_metrics, run_script, subprocess_env, train_args
+from toy import REPO, TIMING, TOY_TRAIN, TRAIN, WordTools, read_metrics, run_script, subprocess_env, train_args
 
 _ = -1  # a step the script leaves to the model (a reply's step: the environment replaces the token)
 W = VOCAB  # conftest's word ids: W["w5"]
-REPLY = [W["w1"], EOS, W["w2"]]  # the stub's reply, the end-of-turn id inside it
+REPLY = [EOS, W["<|im_start|>"], W["user"], W["w1"], EOS, W["<|im_start|>"], W["assistant"]]  # the stub's, framed
 L = len(REPLY)
 PROMPTS = [
     "w1 w2",
@@ -39,7 +39,9 @@ PROMPTS = [
 
 
 def stub(tok, max_calls=2, calls=("w5",)):
-    return WordToolEnv(tok, max_calls, calls=calls, errors=("w7",), reply=("w1", "<|im_end|>", "w2"))
+    import envs
+
+    return envs.EnvDriver(WordTools(max_calls, calls=calls, errors=("w7",), reply="w1"), tok)
 
 
 def gen(seed=0):
@@ -62,7 +64,9 @@ class Forced(torch.nn.Module):
     def forward(self, **kw):
         logits = self.model(**kw).logits[:, -1:].clone()  # (n, 1, V)
         if "logits_to_keep" in kw:  # the prefill: a new batch, step 0
-            self.batch, self.t = self.batch + 1, 0
+            self.batch, self.t, self.fed = self.batch + 1, 0, torch.zeros(logits.size(0), dtype=torch.long)
+        else:  # a row's step counts its fed tokens: a hole (a row waiting on its environment) is no step
+            self.fed += kw["attention_mask"][:, -1].cpu()
         script = self.scripts[self.batch]
         G = len(script) // logits.size(0)
         if self.t == 0:
@@ -70,10 +74,10 @@ class Forced(torch.nn.Module):
                 "a group's rows share their prefill: the script must give them one step 0"
             )
         for r in range(logits.size(0)):
-            steps = script[r * G if self.t == 0 else r]
-            if self.t < len(steps) and steps[self.t] >= 0:
+            steps, t = script[r * G if self.t == 0 else r], int(self.fed[r]) if self.t else 0
+            if t < len(steps) and steps[t] >= 0:
                 logits[r] = -1e4
-                logits[r, 0, steps[self.t]] = 0.0
+                logits[r, 0, steps[t]] = 0.0
         self.t += 1
         return SimpleNamespace(logits=logits)
 
