@@ -1,7 +1,7 @@
 """Environments in rollouts (agentic GRPO), imported only when a task has one: `EnvDriver` holds one environment per
-row and is stepped by rollout.sample's decode loop; `Tools` / `ToolEnv` answer tool calls (`calculator`, a safe
-arithmetic tool), `FeedbackEnv` says when an answer is wrong and lets the row try again. A tool is a plain function:
-its name, type hints and Google-style docstring are its schema. Call formats:
+row and is stepped by rollout.sample's decode loop; `ToolEnv` (an EnvDriver of `Tools`, one `ToolRow` a row) answers
+tool calls (`calculator`, a safe arithmetic tool), `FeedbackEnv` says when an answer is wrong and lets the row try
+again. A tool is a plain function: its name, type hints and Google-style docstring are its schema. Call formats:
 - "json" when the chat template writes `<tool_call>` (Qwen2.5, Hermes): calls are `<tool_call>\\n{"name": NAME,
   "arguments": {...}}\\n</tool_call>`, results come back in the template's "tool" role;
 - "tags" otherwise (SmolLM2): `<NAME>INPUT</NAME>` for one-argument tools, NAME a registered tool (any other tag is
@@ -226,7 +226,8 @@ def _after_mark(tokenizer, messages, add_generation_prompt, template_kwargs):
 
 
 # -----------------------------------------------------------------------------
-# tools: ToolEnv, a row's environment; Tools, the factory that makes them and shows the tools in the prompt
+# tools: ToolRow, a row's environment; Tools, the factory that makes them and shows the tools in the prompt; ToolEnv,
+# the EnvDriver of a task's tools
 
 
 def _call(fn, args, kwargs, box):
@@ -237,7 +238,7 @@ def _call(fn, args, kwargs, box):
 
 
 class Tools:
-    """The factory of a task's ToolEnvs (EnvDriver's `make`): the tools, the call format, the prompt's rendering.
+    """The factory of a task's ToolRows (EnvDriver's `make`): the tools, the call format, the prompt's rendering.
     format "json" when the chat template writes `<tool_call>` (Qwen2.5, Hermes), else "tags" (SmolLM2)."""
 
     turn_chars = ">"  # a call ends in '>' (byte-level BPE keeps '>', byte fallback writes <0x3E>)
@@ -258,7 +259,7 @@ class Tools:
         self.tag_re = re.compile(rf"<({names})>(.*?)</\1>", re.S)  # only a registered name is a call: <think> is text
 
     def __call__(self):
-        return ToolEnv(self)
+        return ToolRow(self)
 
     def render(self, messages):
         """HF tool-use chat messages (an assistant's "tool_calls", "tool" results) -> (messages, template kwargs)
@@ -322,7 +323,7 @@ class Tools:
         return out
 
 
-class ToolEnv:
+class ToolRow:
     """One row's tools: a turn at each complete call, whose reply is its result (or an error); state() counts the
     calls (errors and refusals included) and the errors. Past max_calls a call is refused with an error reply and
     the row goes on (it may still answer)."""
@@ -362,6 +363,18 @@ class ToolEnv:
 
     def state(self):
         return {"tool_calls": self.calls, "tool_errors": self.errors}
+
+
+class ToolEnv(EnvDriver):
+    """The EnvDriver of a task's tools: ToolEnv([calculator], tokenizer, max_calls=4) is what rollout.sample takes."""
+
+    def __init__(self, tools, tokenizer, max_calls=4, timeout=2.0, format=None, max_reply_tokens=64):
+        super().__init__(Tools(tools, tokenizer, max_calls, timeout, format), tokenizer, max_reply_tokens)
+        self.format = self.make.format
+
+    def reply(self, name, result):
+        """The text fed to a row after its call to `name` returned `result`: the template's frame around it."""
+        return self.tokenizer.decode(self.frame(self.make.message(name, result), False), skip_special_tokens=False)
 
 
 # -----------------------------------------------------------------------------

@@ -119,7 +119,7 @@ def tool_reward(completions, tool_calls, tool_errors, **_):  # 1.0 where a tool 
 def calculator(tokenizer, max_calls=4, max_reply_tokens=64, **_):  # the task's tools in their environment (envs.py)
     import envs
 
-    return envs.EnvDriver(envs.Tools([envs.calculator], tokenizer, max_calls), tokenizer, max_reply_tokens)
+    return envs.ToolEnv([envs.calculator], tokenizer, max_calls, max_reply_tokens=max_reply_tokens)
 
 
 def load_mixed(split, data_dir=None, n=None, seed=0):

@@ -55,7 +55,7 @@ class Rollout:
 
 def encode_prompts(tokenizer, prompts, env=None):
     """Prompts (chat messages or strings) -> token-id lists; without a chat template messages join by newlines.
-    env (tools.ToolEnv): its tools shown as the template can show them."""
+    env (envs.EnvDriver): its environment shown as the template can show it (a ToolEnv's tools)."""
     out = []
     for p in prompts:
         if tokenizer.chat_template:

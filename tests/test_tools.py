@@ -5,6 +5,7 @@ checked against the chat template's own rendering of the same conversation."""
 import copy
 import importlib.util
 import json
+import threading
 import time
 from functools import partial
 
@@ -97,10 +98,10 @@ def drive_reset(env, scripts, stop_ids, examples):
     return drive(env, scripts, stop_ids, examples=examples * len(scripts))
 
 
-def drive(env, scripts, stop_ids, max_steps=200, budget=10**6, examples=None):
+def drive(env, scripts, stop_ids, max_steps=200, budget=10**6, examples=None, on_step=None):
     """rollout.sample's decode loop with scripted sampling: row i samples scripts[i] in order (a token the
     environment replaced, or a row waiting on a turn, samples it again at the next step) -> (each row's fed tokens,
-    is_env per token, each row's last step's end)."""
+    is_env per token, each row's last step's end). on_step(own, reply): called after each step."""
     N = len(scripts)
     env.reset(examples or [{}] * N, [""] * N, 1)
     done, ended, at = torch.zeros(N, dtype=torch.bool), torch.zeros(N, dtype=torch.bool), [0] * N
@@ -114,6 +115,8 @@ def drive(env, scripts, stop_ids, max_steps=200, budget=10**6, examples=None):
             envs[i].append(bool(reply[i]))
             at[i] += bool(own[i])
         used += own | reply
+        if on_step is not None:
+            on_step(own, reply)
         ended |= end
         done |= end | (used == budget)  # what the loop will do
         if done.all():
@@ -293,8 +296,8 @@ def test_tags_errors_are_the_rows_results_and_the_run_goes_on():
     assert counts(env) == ([0, 1, 1, 0], [0, 1, 1, 0])
 
 
-def test_slow_tools_time_out_and_their_rows_wait_while_the_others_decode():
-    """Fails if a timed-out call gives no error reply or the waiting row's tokens change (holes are not its tokens)."""
+def test_a_call_past_the_timeout_gets_an_error_reply():
+    """Fails if a timed-out call gives no error reply, is not counted as an error, or changes the other row."""
     tok = tags_tokenizer()
     env = make_env([slow], tok, timeout=0.2)
     call = ids(tok, "<slow> w1 </slow>")
@@ -305,8 +308,39 @@ def test_slow_tools_time_out_and_their_rows_wait_while_the_others_decode():
     assert (
         rows[0] == call + reply + ids(tok, "w2") + [EOS] and envs[0] == [False] * 3 + [True] * len(reply) + [False] * 2
     )
-    assert rows[1] == ids(tok, "w1 w2 w3") + [EOS]  # done while row 0 waited: the step never blocked on the call
+    assert rows[1] == ids(tok, "w1 w2 w3") + [EOS]
     assert counts(env) == ([1, 0], [1, 0])
+
+
+def test_a_pending_call_holds_its_row_only_while_the_others_decode():
+    """Fails if turns run in the decode loop's own thread: the call waits until the other row has finished decoding
+    (the test releases it then, up to 10 s), so a step that ran it would block, the other row would not decode
+    meanwhile, and the call would answer "late"."""
+    tok = tags_tokenizer()
+    release = threading.Event()
+
+    def slow(text: str) -> str:  # the tags tokenizer's <slow>, released by the test
+        """Answer when released."""
+        return "w9" if release.wait(10) else "late"
+
+    env = make_env([slow], tok, timeout=30)  # the tool's own wait bounds the call
+    call, other = ids(tok, "<slow> w1 </slow>"), ids(tok, "w1 w2 w3 w4") + [EOS]
+    taken, overlap = [], []  # row 1's tokens; those it took while row 0's call was pending, not done
+
+    def on_step(own, reply):
+        pending = env._pending[0]
+        taken.extend([1] * bool(own[1]))
+        overlap.extend([1] * bool(own[1] and pending is not None and not pending[0].done()))
+        if len(taken) == len(other):  # row 1 has finished: the call may answer
+            release.set()
+
+    rows, envs, _ = drive(env, [call + ids(tok, "w2") + [EOS], other], [EOS], on_step=on_step)
+    # by hand: the call's 3 tokens end on step 3, where it is submitted; row 1's 5 tokens take steps 1-5, so its
+    # tokens of steps 3, 4 and 5 come while the call is pending
+    assert len(overlap) == 3
+    reply = ids(tok, "<|im_end|> <|im_start|> user Result: w9 <|im_end|> <|im_start|> assistant")
+    assert rows[0] == call + reply + ids(tok, "w2") + [EOS] and rows[1] == other
+    assert counts(env) == ([1, 0], [0, 0])
 
 
 def test_at_the_call_limit_a_call_gets_an_error_reply_and_the_row_may_answer():
