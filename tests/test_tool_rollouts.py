@@ -479,8 +479,9 @@ def check_rows(r, script, replies):
 @pytest.mark.real_model
 def test_real_tool_errors_are_replies_and_decoding_goes_on(real_model):
     """A raising call (the calculator's refusal, a tool's exception) and a slow tool, beside a good call, on SmolLM2
-    with its own template ("tags" format: an unregistered <foo> is text, no call; tests/test_tools.py). Fails if an error ends the row or is no reply, if the reply
-    is not the template's frame around the text, or if a reply's words reach the completions (the model's own)."""
+    with its own template ("tags" format: an unregistered <foo> is text, no call; tests/test_tools.py). Fails if an
+    error ends the row or is no reply, if the reply is not the template's frame around the text, or if a reply's
+    words reach the completions (the model's own)."""
     import envs
 
     model, tok = real_model

@@ -579,8 +579,8 @@ def test_a_tool_that_prints_the_right_answer_earns_nothing(smol_tok):
 
 
 def test_feedback_asks_again_after_a_wrong_answer_and_the_reward_reads_the_last():
-    """Fails if the row ends at its first (wrong) answer, if a right answer is asked again, or if the state reports
-    the first attempt as the final one."""
+    """Fails if the row ends at its first (wrong) answer, if a right answer is asked again, if the reply after the
+    row's own stop repeats the end of turn, or if the state reports the first attempt as the final one."""
     from envs import FeedbackEnv
     from rewards import answers_match, extract_answer
 
@@ -591,7 +591,8 @@ def test_feedback_asks_again_after_a_wrong_answer_and_the_reward_reads_the_last(
         ids(tok, "#### 36") + [EOS],
     ]
     rows, envs, _ = drive_reset(env, scripts, [EOS], [{"answer": "36"}])
-    wrong = env.frame(FeedbackEnv.WRONG, True)
+    # after the row's own stop (its <|im_end|>) the frame goes on from the next header: no second <|im_end|>
+    wrong = ids(tok, f"<|im_start|> user {FeedbackEnv.WRONG} <|im_end|> <|im_start|> assistant")
     assert rows[0] == ids(tok, "#### 12") + [EOS] + wrong + ids(tok, "#### 36") + [EOS]
     assert rows[1] == ids(tok, "#### 36") + [EOS] and not any(envs[1])
     assert env.states() == [
