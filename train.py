@@ -422,7 +422,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
             tool_calls=r.tool_calls.float().mean(),
             tool_errors=r.tool_errors.float().mean(),
             env_tokens=r.env_mask.sum(1).float().mean(),
-            turns=1 + r.tool_calls.float().mean(),
+            turns=1 + (r.env_mask[:, 1:] & ~r.env_mask[:, :-1]).sum(1).float().mean(),  # 1 + its replies
         )
     row = {
         k: run.all_reduce(torch.as_tensor(v, dtype=torch.float32, device=device).detach(), run.reduce_op(k)).item()
