@@ -1,22 +1,33 @@
-"""Tool use in rollouts (agentic GRPO), imported only when a task has tools: `calculator`, a safe arithmetic tool,
-and `ToolEnv`, which rollout.sample's decode loop steps once per token: it spots a complete call in a row's own
-text, runs it (a daemon thread, a timeout) and feeds that row the chat template's rendering of the result as its
-next tokens. A tool is a plain function: its name, type hints and Google-style docstring are its schema. Formats:
+"""Environments in rollouts (agentic GRPO), imported only when a task has one: `EnvDriver` holds one environment per
+row and is stepped by rollout.sample's decode loop; `ToolEnv` (an EnvDriver of `Tools`, one `ToolRow` a row) answers
+tool calls (`calculator`, a safe arithmetic tool), `FeedbackEnv` says when an answer is wrong and lets the row try
+again. A tool is a plain function: its name, type hints and Google-style docstring are its schema. Call formats:
 - "json" when the chat template writes `<tool_call>` (Qwen2.5, Hermes): calls are `<tool_call>\\n{"name": NAME,
   "arguments": {...}}\\n</tool_call>`, results come back in the template's "tool" role;
-- "tags" otherwise (SmolLM2): `<NAME>INPUT</NAME>` for one-argument tools, results come back as a user message
-  `Result: ...`; any `</word>` closing an earlier `<word>` is a call (an unknown name is an error).
-One call per assistant turn: the environment replies at the first closing tag."""
+- "tags" otherwise (SmolLM2): `<NAME>INPUT</NAME>` for one-argument tools, NAME a registered tool (any other tag is
+  text: `<think>`), results come back as a user message `Result: ...`.
+One call per assistant turn: the environment replies at the first complete call."""
 
 import ast
+import functools
 import inspect
+import itertools
 import json
 import math
 import operator
+import os
 import re
+import select
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import torch
 from transformers.utils import get_json_schema
@@ -32,7 +43,7 @@ OPS = {
     ast.Pow: operator.pow,
 }
 MAX_RESULT_CHARS = 500  # a tool's reply costs tokens of the row's budget
-TAG_RE = re.compile(r"<(\w+)>(.*?)</\1>", re.S)
+REPLY = "\x00REPLY\x00"  # a placeholder: where the template puts a reply's content
 MARK, DUMMY = "CALL", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "CALL"}]
 MALFORMED = 'error: malformed call; write <tool_call>{"name": NAME, "arguments": {...}}</tool_call>'
 
@@ -85,15 +96,149 @@ def _checked(value):
 
 
 def _format(value):
-    """An int as is ("69104"); a float rounded to 6 decimals, as an int string when whole ("2.5", "5", "0.333333")."""
+    """An int as is ("69104"); a float to 15 significant digits, as an int string when whole ("2.5", "5",
+    "0.333333333333333", "5.42101086242752e-20"): no small result shown as 0."""
     if isinstance(value, int):
         return str(value)
-    value = round(value, 6)
-    return str(int(value)) if value.is_integer() and abs(value) < 1e15 else repr(value)
+    if value.is_integer() and abs(value) < 1e15:
+        return str(int(value))
+    return format(value, ".15g")
 
 
 # -----------------------------------------------------------------------------
-# the environment
+# environments: one object per row, driven by rollout.sample's decode loop through EnvDriver
+
+
+class EnvDriver:
+    """One rollout's environments, stepped once per decode step by rollout.sample. `make()` gives a row's environment,
+    an object with
+        reset(example) -> an opening message (a user message appended to the prompt) or None;
+        ends_turn(text, stopped) -> bool, cheap: whether the row's own text since its last reply (its stop token left
+            out; stopped: the row just sampled one) ends a turn the environment answers;
+        turn(text, stopped) -> (reply, done): run in a worker thread while the other rows decode on; reply: a user
+            message's text, a chat message dict (a "tool" message), or None; done: the row ends here;
+        state() -> dict of numbers (reward fields and metrics: tool_calls, tool_errors, attempts ...).
+    `make` may also carry render(messages) -> (messages, template kwargs), how prompts show the environment, and
+    turn_chars: only a token whose vocabulary string holds one of them may end a turn before the stop token (None:
+    any token; absent: none). Replies are text: tokenized with special-token parsing off, max_reply_tokens at most;
+    only the chat template's frame around them is control tokens."""
+
+    def __init__(self, make, tokenizer, max_reply_tokens=64, workers=8):
+        if not tokenizer.chat_template:
+            raise ValueError("an environment needs a tokenizer with a chat template")
+        self.make, self.tokenizer, self.max_reply_tokens = make, tokenizer, max_reply_tokens
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="env")
+        chars = getattr(make, "turn_chars", "")
+        vocab = [str(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))]
+        self._may_end = [chars is None or any(c in t for c in chars) for t in vocab]
+        self._tail = _after_mark(tokenizer, DUMMY, False, {})  # the template's end of an assistant turn
+        self.frame({"role": "user", "content": "0"}, False)  # the template's check, now rather than at the first turn
+        self.reset([], [], 1)
+
+    def render(self, messages):
+        """Chat messages -> (messages, template kwargs) as the prompt shows this environment."""
+        if hasattr(self.make, "render"):
+            return self.make.render(messages)
+        return messages, {}
+
+    def reset(self, examples, prompts, group_size):
+        """Start a rollout: group_size rows per example, each its own environment reset on it -> the prompts, each with
+        its first row's opening message (if any) as a last user message."""
+        self.envs = [self.make() for _ in range(len(examples) * group_size)]
+        openings = [env.reset(examples[i // group_size]) for i, env in enumerate(self.envs)]
+        self._text = [[] for _ in self.envs]  # each row's own token ids since its last reply
+        self._queue = [deque() for _ in self.envs]  # reply ids still to feed
+        self._pending = [None] * len(self.envs)  # (future of a turn, whether it was at a stop token)
+        out = []
+        for i, p in enumerate(prompts):
+            opening = openings[i * group_size]
+            if opening is not None:
+                p = ([{"role": "user", "content": p}] if isinstance(p, str) else p) + [opening_msg(opening)]
+            out.append(p)
+        return out
+
+    def frame(self, message, stopped):
+        """A reply message -> the ids fed to the row: the template's frame (after an assistant turn, less the stop
+        token the row wrote itself when stopped, up to the next assistant header) around the message's content,
+        which is tokenized as text and cut to max_reply_tokens."""
+        message = opening_msg(message)
+        suffix = _after_mark(self.tokenizer, DUMMY + [{**message, "content": REPLY}], True, {})
+        if not suffix.startswith(self._tail):
+            raise ValueError(
+                f"this chat template ends an assistant turn with {self._tail!r} but writes "
+                f"{suffix[: len(self._tail)]!r} there before a reply: a rollout cannot continue it"
+            )
+        head, _, tail = suffix.partition(REPLY)
+        if stopped:  # the row's own stop token ended its turn: the frame goes on after it
+            head = head[len(self._tail.rstrip()) :] if head.startswith(self._tail.rstrip()) else head
+        ids = self.tokenizer(str(message["content"]), add_special_tokens=False, split_special_tokens=True)
+        body = ids["input_ids"][: self.max_reply_tokens]
+        return self._ids(head) + body + self._ids(tail)
+
+    def step(self, tok, done, stopped, last):
+        """One decode step: tok (N,) sampled, done (N,) rows already ended (left alone), stopped (N,) rows that
+        sampled a stop token, last (N,) rows on their last budget token -> tok (N,) what each row takes, own (N,) it is
+        the model's token, reply (N,) an environment's, end (N,) the row ends here. A row neither own nor reply waits
+        on its environment's turn: a hole (masked like padding); when every row left waits, the step blocks for one.
+        A turn ending on a row's last budget token is not run, unless the row stopped (its answer is still checked)."""
+        N, ids = tok.numel(), tok.tolist()
+        own, reply, end = [False] * N, [False] * N, stopped.tolist()
+        active = [i for i in range(N) if not done[i]]
+        waiting = [self._pending[i][0] for i in active if self._pending[i] is not None]
+        if waiting and len(waiting) == len(active):
+            wait(waiting, return_when=FIRST_COMPLETED)
+        for i in active:
+            if self._pending[i] is not None:
+                future, at_stop = self._pending[i]
+                if not future.done():
+                    end[i] = False
+                    continue
+                self._pending[i] = None
+                message, finished = future.result()
+                if finished or (message is None and at_stop):
+                    end[i] = True
+                    continue
+                if message is not None:
+                    self._queue[i].extend(self.frame(message, at_stop))
+            if self._queue[i]:
+                ids[i], reply[i], end[i] = self._queue[i].popleft(), True, False
+                continue
+            own[i] = True
+            self._text[i].append(ids[i])
+            if not (end[i] or (self._may_end[ids[i]] and not last[i])):
+                continue
+            text = self.tokenizer.decode(self._text[i][: len(self._text[i]) - end[i]], skip_special_tokens=False)
+            if self.envs[i].ends_turn(text, end[i]):
+                self._pending[i] = (self.pool.submit(self.envs[i].turn, text, end[i]), end[i])
+                self._text[i], end[i] = [], False
+        device = tok.device
+        return tok.new_tensor(ids), *(torch.tensor(x, device=device) for x in (own, reply, end))
+
+    def states(self):
+        """Each row's environment state (N dicts), once its last turn has finished."""
+        wait([p[0] for p in self._pending if p is not None])
+        return [env.state() for env in self.envs]
+
+    def _ids(self, text):
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template's own control tokens
+
+
+def opening_msg(message):
+    return {"role": "user", "content": message} if isinstance(message, str) else message
+
+
+def _after_mark(tokenizer, messages, add_generation_prompt, template_kwargs):
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+    )
+    if MARK not in text:
+        raise ValueError(f"this chat template drops an assistant message's content ({MARK!r}): no replies")
+    return text.split(MARK, 1)[1]
+
+
+# -----------------------------------------------------------------------------
+# tools: ToolRow, a row's environment; Tools, the factory that makes them and shows the tools in the prompt; ToolEnv,
+# the EnvDriver of a task's tools
 
 
 def _call(fn, args, kwargs, box):
@@ -103,15 +248,16 @@ def _call(fn, args, kwargs, box):
         box.append((f"error: {str(e) or type(e).__name__}"[:MAX_RESULT_CHARS], True))
 
 
-class ToolEnv:
-    """Per-rollout tool environment: reset(N) before the decode loop, step(tok, done) once per step; after it
-    calls (N,) counts the calls each row made (errors included) and errors (N,) those that gave an error."""
+class Tools:
+    """The factory of a task's ToolRows (EnvDriver's `make`): the tools, the call format, the prompt's rendering.
+    format "json" when the chat template writes `<tool_call>` (Qwen2.5, Hermes), else "tags" (SmolLM2)."""
+
+    turn_chars = ">"  # a call ends in '>' (byte-level BPE keeps '>', byte fallback writes <0x3E>)
 
     def __init__(self, tools, tokenizer, max_calls=4, timeout=2.0, format=None):
         if not tokenizer.chat_template:
-            raise ValueError("ToolEnv needs a tokenizer with a chat template")
-        self.tools, self.tokenizer = {f.__name__: f for f in tools}, tokenizer
-        self.max_calls, self.timeout = max_calls, timeout
+            raise ValueError("tools need a tokenizer with a chat template")
+        self.tools, self.max_calls, self.timeout = {f.__name__: f for f in tools}, max_calls, timeout
         self.format = format or ("json" if "<tool_call>" in str(tokenizer.chat_template) else "tags")
         if self.format not in ("json", "tags"):
             raise ValueError(f"format is 'json' or 'tags', not {self.format!r}")
@@ -120,17 +266,16 @@ class ToolEnv:
             raise ValueError(f"the tags format (<NAME>INPUT</NAME>) takes one-argument tools, not {', '.join(many)}")
         json_format = self.format == "json"
         self.template_kwargs = {"tools": [get_json_schema(f) for f in self.tools.values()]} if json_format else {}
-        # a call ends in '>': decode a row only on a token whose vocabulary string has one (byte-level BPE keeps '>',
-        # byte fallback writes <0x3E>)
-        self._gt = [">" in str(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))]
-        self._tail = self._after_mark(DUMMY, False)  # the template's end of an assistant turn
-        self.reply("", "0")  # the template's check, now rather than at the first call
-        self.reset(0)
+        names = "|".join(re.escape(n) for n in self.tools)
+        self.tag_re = re.compile(rf"<({names})>(.*?)</\1>", re.S)  # only a registered name is a call: <think> is text
+
+    def __call__(self):
+        return ToolRow(self)
 
     def render(self, messages):
         """HF tool-use chat messages (an assistant's "tool_calls", "tool" results) -> (messages, template kwargs)
-        as this environment shows them: unchanged with the tools' schemas ("json"); or with calls written as tags,
-        results as user messages and one line on the syntax in the system message ("tags")."""
+        as the tools are shown: unchanged with the tools' schemas ("json"); or with calls written as tags, results
+        as user messages and one line on the syntax in the system message ("tags")."""
         if any(len(m.get("tool_calls") or []) > 1 for m in messages):
             raise ValueError("one tool call per assistant message: the environment replies after the first")
         if self.format == "json":
@@ -153,65 +298,17 @@ class ToolEnv:
             return [{**out[0], "content": out[0]["content"] + "\n" + line}] + out[1:], {}
         return [{"role": "system", "content": line}] + out, {}
 
-    def reply(self, name, result):
-        """The text the chat template puts after a call: the end of the assistant turn, the result as a "tool"
-        (json) or user (tags) message, the next assistant header; taken from the template itself, as what follows
-        an assistant message "CALL" once the reply comes after it."""
-        msg = {"role": "user", "content": f"Result: {result}"}
+    def message(self, name, result):
+        """A result as the reply message: a "tool" message (json), a user message "Result: ..." (tags)."""
         if self.format == "json":
-            msg = {"role": "tool", "name": name or "", "content": result}
-        suffix = self._after_mark(DUMMY + [msg], True)
-        if not suffix.startswith(self._tail):
-            raise ValueError(
-                f"this chat template ends an assistant turn with {self._tail!r} but writes "
-                f"{suffix[: len(self._tail)]!r} there before a tool reply: a rollout cannot continue it"
-            )
-        return suffix
+            return {"role": "tool", "name": name or "", "content": result}
+        return f"Result: {result}"
 
-    def reset(self, n_rows):
-        """Start a rollout of n_rows rows: no text, no queued reply, no calls."""
-        self._text = [[] for _ in range(n_rows)]  # each row's own token ids since its last reply
-        self._queue = [deque() for _ in range(n_rows)]  # reply ids still to feed
-        self.calls = torch.zeros(n_rows, dtype=torch.long)  # (N,)
-        self.errors = torch.zeros(n_rows, dtype=torch.long)  # (N,)
-
-    def step(self, tok, done):
-        """One decode step: tok (N,) sampled, done (N,) rows already stopped (left alone) -> (tok (N,) what each row
-        takes, is_env (N,) where that is a reply token, end (N,) rows whose call went past max_calls: no reply, the
-        row stops). A call completed by this step's token runs now; its reply is fed from the next step on."""
-        assert tok.shape == done.shape == (len(self._text),), f"reset({tok.numel()}) first: one entry per row"
-        ids, N = tok.tolist(), tok.numel()
-        is_env, end, found = [False] * N, [False] * N, []
-        for i, stopped in enumerate(done.tolist()):
-            if stopped:
-                continue
-            if self._queue[i]:
-                ids[i], is_env[i] = self._queue[i].popleft(), True
-                continue
-            self._text[i].append(ids[i])
-            if ids[i] < len(self._gt) and self._gt[ids[i]]:
-                call = self._parse(self.tokenizer.decode(self._text[i], skip_special_tokens=False))
-                if call is not None:
-                    self._text[i] = []
-                    end[i] = bool(self.calls[i] >= self.max_calls)
-                    if not end[i]:
-                        found.append((i, call))
-        for (i, (name, _, _, _)), (text, error) in zip(found, self._run([call for _, call in found])):
-            self._queue[i].extend(self.tokenizer(self.reply(name, text), add_special_tokens=False)["input_ids"])
-            self.calls[i] += 1
-            self.errors[i] += error
-        return tok.new_tensor(ids), torch.tensor(is_env, device=tok.device), torch.tensor(end, device=tok.device)
-
-    def format_reward(self, completions, **_):
-        """1.0 where a completion holds a well-formed call to a known tool (its result may still be an error): a
-        small shaping reward for the format, fn(completions, **fields) as in rewards.py."""
-        return [float(any(c[0] in self.tools for c in self._calls(text))) for text in completions]
-
-    def _parse(self, text):
+    def parse(self, text):
         """The first complete call in text -> (name, args, kwargs, end of the call in text); name None when it is
         malformed; None when there is no complete call."""
         if self.format == "tags":
-            m = TAG_RE.search(text)
+            m = self.tag_re.search(text)
             return None if m is None else (m.group(1), (m.group(2).strip(),), {}, m.end())
         body, closed, _ = text.partition("</tool_call>")
         if not closed:
@@ -224,57 +321,108 @@ class ToolEnv:
             pass
         return None, (), {}, len(body) + len(closed)
 
-    def _calls(self, text):
-        while (call := self._parse(text)) is not None:
-            yield call
-            text = text[call[3] :]
+    def format_reward(self, completions, **_):
+        """1.0 where a completion holds a well-formed call to a known tool (its result may still be an error): a
+        small shaping reward for the format, fn(completions, **fields) as in rewards.py."""
+        out = []
+        for text in completions:
+            call = self.parse(text)
+            while call is not None and call[0] not in self.tools:
+                text = text[call[3] :]
+                call = self.parse(text)
+            out.append(float(call is not None))
+        return out
 
-    def _run(self, calls):
-        """Run calls at once (tools must be thread-safe), each in a daemon thread, joined up to one deadline ->
-        [(text, is_error)]. A call past the timeout is abandoned (Python cannot stop a thread): it runs on, its result
-        is dropped, and it does not hold up the interpreter's exit. A call holding the GIL in C code (a huge int power)
-        blocks the loop whatever the timeout: the calculator bounds its own work."""
-        boxes, threads = [[] for _ in calls], []
-        for (name, args, kwargs, _), box in zip(calls, boxes):
-            if name is None:
-                box.append((MALFORMED, True))
-            elif name not in self.tools:
-                box.append((f"error: unknown tool {name!r}; tools: {', '.join(self.tools)}", True))
-            else:
-                threads.append(threading.Thread(target=_call, args=(self.tools[name], args, kwargs, box), daemon=True))
-                threads[-1].start()
-        deadline = time.monotonic() + self.timeout
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        return [
-            box[0] if box else (f"error: {call[0]} timed out after {self.timeout:g} s", True)
-            for call, box in zip(calls, boxes)
-        ]
 
-    def _after_mark(self, messages, add_generation_prompt):
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
-        )
-        if MARK not in text:
-            raise ValueError(f"this chat template drops an assistant message's content ({MARK!r}): no tool replies")
-        return text.split(MARK, 1)[1]
+class ToolRow:
+    """One row's tools: a turn at each complete call, whose reply is its result (or an error); state() counts the
+    calls (errors and refusals included) and the errors. Past max_calls a call is refused with an error reply and
+    the row goes on (it may still answer)."""
+
+    def __init__(self, tools):
+        self.tools = tools
+
+    def reset(self, example):
+        self.calls, self.errors = 0, 0
+
+    def ends_turn(self, text, stopped):
+        return not stopped and self.tools.parse(text) is not None
+
+    def turn(self, text, stopped):
+        name, args, kwargs, _ = self.tools.parse(text)
+        result, error = self.run(name, args, kwargs)
+        self.calls, self.errors = self.calls + 1, self.errors + error
+        return self.tools.message(name, result), False
+
+    def run(self, name, args, kwargs):
+        """A call -> (text, is_error). It runs in a daemon thread joined up to the timeout: a call past it is
+        abandoned (Python cannot stop a thread), its result dropped; the calculator bounds its own work."""
+        tools = self.tools
+        if self.calls >= tools.max_calls:
+            return "error: call limit reached; give your answer", True
+        if name is None:
+            return MALFORMED, True
+        if name not in tools.tools:
+            return f"error: unknown tool {name!r}; tools: {', '.join(tools.tools)}", True
+        box = []
+        thread = threading.Thread(target=_call, args=(tools.tools[name], args, kwargs, box), daemon=True)
+        thread.start()
+        thread.join(tools.timeout)
+        if not box:
+            return f"error: {name} timed out after {tools.timeout:g} s", True
+        return box[0]
+
+    def state(self):
+        return {"tool_calls": self.calls, "tool_errors": self.errors}
+
+
+class ToolEnv(EnvDriver):
+    """The EnvDriver of a task's tools: ToolEnv([calculator], tokenizer, max_calls=4) is what rollout.sample takes."""
+
+    def __init__(self, tools, tokenizer, max_calls=4, timeout=2.0, format=None, max_reply_tokens=64):
+        super().__init__(Tools(tools, tokenizer, max_calls, timeout, format), tokenizer, max_reply_tokens)
+        self.format = self.make.format
+
+    def reply(self, name, result):
+        """The text fed to a row after its call to `name` returned `result`: the template's frame around it."""
+        return self.tokenizer.decode(self.frame(self.make.message(name, result), False), skip_special_tokens=False)
 
 
 # -----------------------------------------------------------------------------
+# feedback: not a tool; the environment checks each finished answer and asks again when it is wrong
+
+
+class FeedbackEnv:
+    """One row's checker: at each finished answer (the row's stop token) it extracts the answer as the task scores
+    it (`extract`) and compares it with the example's (`match`); wrong with attempts left: the reply WRONG and the row
+    tries again, else the row ends. state(): attempts, first_correct, final_correct (the last attempt's)."""
+
+    WRONG = "Wrong; try again. End with a final line: #### <number>"
+
+    def __init__(self, extract, match, max_attempts=2):
+        self.extract, self.match, self.max_attempts = extract, match, max_attempts
+
+    def reset(self, example):
+        self.gold, self.results = example["answer"], []
+
+    def ends_turn(self, text, stopped):
+        return stopped
+
+    def turn(self, text, stopped):
+        self.results.append(bool(self.match(self.extract(text), self.gold)))
+        if self.results[-1] or len(self.results) >= self.max_attempts:
+            return None, True
+        return self.WRONG, False
+
+    def state(self):
+        first, final = (self.results[0], self.results[-1]) if self.results else (False, False)
+        return {"attempts": len(self.results), "first_correct": float(first), "final_correct": float(final)}
+
+
 # --- python: code in a sandboxed subprocess
 # A fresh interpreter per call, started by a small wrapper (SANDBOX_MAIN) that confines itself, then execs it. The
 # wrapper, not a preexec_fn, does the setup: a preexec_fn is unsafe in a process with threads (the rollout's).
 
-import functools  # noqa: E402  (this section's own imports: it is self-contained)
-import itertools  # noqa: E402
-import os  # noqa: E402
-import select  # noqa: E402
-import shutil  # noqa: E402
-import signal  # noqa: E402
-import stat  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
 
 PY_TIMEOUT = 5.0  # wall seconds per call; the caller's own timeout must be longer to see this one's message
 PY_LIMITS = {  # per process: a 10 GB list is a MemoryError, a fork bomb stops at 64 processes

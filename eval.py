@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 
 import run
 from models import DTYPES, check_dtype, load_model, load_tokenizer, resolve_device, resolve_dtype
+
 from tasks import TASKS, evaluate, pass_at_k  # noqa: F401 (pass_at_k: eval.pass_at_k)
 
 
@@ -236,7 +237,8 @@ def main():
             if args.ckpt
             else (load_model(name, device, dtype, trainable=False), load_tokenizer(name), {})
         )
-        env = task.tools(tok, cfg.get("max_tool_calls", 4)) if task.tools else None  # the run's call limit
+        keys = {k: cfg[k] for k in ("max_reply_tokens", "max_attempts") if k in cfg}  # the run's, else defaults
+        env = task.tools(tok, cfg.get("max_tool_calls", 4), **keys) if task.tools else None
     except ValueError as e:  # ModelError, DataError, a bad checkpoint or path: what was named cannot be used
         p.error(str(e))
     try:

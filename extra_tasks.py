@@ -1,7 +1,10 @@
 """Tasks off the default path, imported only when one is named (`get`); each a `tasks.Task`:
 - arith_steps: "What is 3 + 4 * 2 - 5?", a reward per line, for process supervision (DeepSeekMath §4.1.3): the step
   rewards and the token each step ends on (`step_positions`, for grpo.process_advantages).
-- arith_tool: "What is 482 * 937?" with a calculator (envs.py); arith_mul: the same without it.
+- arith_tool: "What is 482 * 937?" with a calculator (envs.py); arith_mul: the same without it; arith_tool_mixed: half
+  of them one-digit products a 135M model does alone (each example's "difficulty": "easy" / "hard").
+- arith_retry: arith with feedback (envs.FeedbackEnv): a wrong answer is told so and tried again, max_attempts in all;
+  the reward is the last attempt's.
 - gsm8k_python: GSM8K with a python tool, code run in a sandboxed interpreter (envs.python).
 - rg:NAME, rg:A+B: a reasoning-gym dataset (github.com/open-thought/reasoning-gym, Apache-2.0), or a weighted mix,
   scored by the dataset's own `score_answer`; configured by `task_options` (train.py's config key)."""
@@ -16,9 +19,10 @@ from functools import partial
 
 import torch
 
-from rewards import answers_match, extract_flexible
+from rewards import answers_match, extract_answer, extract_flexible
 from tasks import (
     ARITH_OPS,
+    ARITH_SYSTEM_PROMPT,
     OPS,
     REWARDS,
     TASKS,
@@ -119,10 +123,37 @@ def tool_reward(completions, tool_calls, tool_errors, **_):  # 1.0 where a tool 
     return [float(c > e) for c, e in zip(tool_calls, tool_errors)]
 
 
-def calculator(tokenizer, max_calls=4):  # the task's tools in their environment (envs.py)
+def calculator(tokenizer, max_calls=4, max_reply_tokens=64, **_):  # the task's tools in their environment (envs.py)
     import envs
 
-    return envs.ToolEnv([envs.calculator], tokenizer, max_calls)
+    return envs.ToolEnv([envs.calculator], tokenizer, max_calls, max_reply_tokens=max_reply_tokens)
+
+
+def load_mixed(split, data_dir=None, n=None, seed=0):
+    """One-digit products (what the model does alone, "easy") and three-digit ones ("hard"), interleaved (test: 89 of
+    each, all there are)."""
+    n = check_generated(split, "*", n, data_dir)
+    easy, hard = (load_arith(split, n=n // 2, digits=d, ops="*", seed=seed) for d in (1, 3))
+    if split == "train":  # only ~11 one-digit products are train problems: repeated to half the split
+        easy = easy * (len(hard) // len(easy) + 1)
+    pairs = zip(({**e, "difficulty": "easy"} for e in easy), ({**h, "difficulty": "hard"} for h in hard))
+    return [x for pair in pairs for x in pair]
+
+
+def feedback(tokenizer, max_calls=4, max_reply_tokens=64, max_attempts=2, **_):  # arith_retry's environment
+    import envs
+
+    make = partial(envs.FeedbackEnv, extract_answer, answers_match, max_attempts)
+    return envs.EnvDriver(make, tokenizer, max_reply_tokens)
+
+
+def final_attempt_reward(completions, final_correct, **_):  # 1.0 where the row's last answer was right
+    return [float(c) for c in final_correct]
+
+
+def final_attempt_score(completion, example):  # score() of the text from the last `####` on: the last attempt
+    head, mark, last = completion.rpartition("####")
+    return score(mark + last if mark else completion, example)
 
 
 load_mul = partial(load_arith, digits=3, ops="*")
@@ -137,6 +168,17 @@ EXTRA = {  # a call that ran is worth a little (0.2): without it the calls die o
         tools=calculator,
     ),
     "arith_mul": Task(load_mul, partial(chat_prompt, MUL_PROMPT), dict(REWARDS), dict(WEIGHTS), score),
+    "arith_tool_mixed": Task(
+        load_mixed, tool_prompt, {**REWARDS, "tool": tool_reward}, {**WEIGHTS, "tool": 0.2}, score, tools=calculator
+    ),
+    "arith_retry": Task(
+        load_arith,
+        partial(chat_prompt, ARITH_SYSTEM_PROMPT),
+        {**REWARDS, "correct": final_attempt_reward},
+        dict(WEIGHTS),
+        final_attempt_score,
+        tools=feedback,
+    ),
 }
 
 
@@ -163,11 +205,11 @@ def python_prompt(example):  # one worked call as earlier turns, as tool_prompt'
     ]
 
 
-def python_tool(tokenizer, max_calls=4):  # the sandboxed interpreter in its environment; says how it is confined
+def python_tool(tokenizer, max_calls=4, max_reply_tokens=64, **_):  # the sandboxed interpreter; says how it is confined
     import envs
 
     print(envs.sandbox_protections(), flush=True)
-    return envs.ToolEnv([envs.python], tokenizer, max_calls, timeout=envs.PY_TIMEOUT + 5)
+    return envs.ToolEnv([envs.python], tokenizer, max_calls, envs.PY_TIMEOUT + 5, max_reply_tokens=max_reply_tokens)
 
 
 EXTRA["gsm8k_python"] = Task(

@@ -23,12 +23,18 @@ class Rollout:
     completion_ids: torch.Tensor  # (N, C) the trajectory: sampled tokens (and tool replies), pad after the stop
     completion_mask: torch.Tensor  # (N, C) 1 on the model's own tokens, up to and including the first stop token
     truncated: torch.Tensor  # (N,) bool: ended without a stop token (max_new_tokens, or the tool call limit)
-    completions: list  # N decoded strings, stop token excluded
+    completions: list  # N strings: the model's own words (its sampled tokens only), turns joined by a newline
     sample_logp: torch.Tensor  # (N, C) log-probs at sampling time (temperature applied), 0 off completion_mask
     prompt_cut: torch.Tensor  # (N,) bool: the prompt was cut from the left to max_prompt_tokens
-    env_mask: torch.Tensor  # (N, C) bool: a tool's reply, which the model reads but is not trained on
+    env_mask: torch.Tensor  # (N, C) bool: an environment's reply, which the model reads but is not trained on
     tool_calls: torch.Tensor  # (N,) tool calls of each row
     tool_errors: torch.Tensor  # (N,) of them, the ones answered with an error
+    trajectories: list = None  # N strings: the whole conversation after the prompt, replies included
+    env_state: list = None  # N dicts: each row's environment's state() (reward fields), {} without one
+
+    def __post_init__(self):  # without an environment the trajectory is the completion, and there is no state
+        self.trajectories = self.completions if self.trajectories is None else self.trajectories
+        self.env_state = [{} for _ in self.completions] if self.env_state is None else self.env_state
 
     @property
     def input_ids(self):
@@ -38,20 +44,18 @@ class Rollout:
     def attention_mask(self):  # what the model attends to: prompt, its own tokens and the tools' replies
         return torch.cat([self.prompt_mask, self.completion_mask + self.env_mask.long()], 1)  # (N, P+C)
 
+    @property
+    def state_fields(self):  # the environments' states as reward fields: name -> one value per row
+        return {k: [s[k] for s in self.env_state] for k in (self.env_state or [{}])[0]}
+
     def __getitem__(self, rows):  # the rows `rows` (a LongTensor) of every field
-        return Rollout(
-            **{
-                f.name: [self.completions[i] for i in rows.tolist()]
-                if f.name == "completions"
-                else getattr(self, f.name)[rows]
-                for f in fields(self)
-            }
-        )
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        return Rollout(**{k: [v[i] for i in rows.tolist()] if isinstance(v, list) else v[rows] for k, v in out.items()})
 
 
 def encode_prompts(tokenizer, prompts, env=None):
     """Prompts (chat messages or strings) -> token-id lists; without a chat template messages join by newlines.
-    env (tools.ToolEnv): its tools shown as the template can show them."""
+    env (envs.EnvDriver): its environment shown as the template can show it (a ToolEnv's tools)."""
     out = []
     for p in prompts:
         if tokenizer.chat_template:
@@ -123,30 +127,32 @@ def sample(
     dtype=None,
     max_prompt_tokens=None,
     env=None,
+    examples=None,
 ):
     """`group_size` completions per prompt (temperature 0: greedy) through `model(...)` and its KV cache: each prompt
     prefilled once, its cache repeated G times; the rows decode together to a stop token or max_new_tokens. generator:
     one, or one per prompt (its completions then depend on no neighbour). max_prompt_tokens: a prompt keeps its last.
-    env (tools.ToolEnv): a row that calls a tool is fed the tool's reply, one token a step, and decodes on."""
+    env (envs.EnvDriver, with the prompts' examples): one environment per row; a row it answers is fed the reply, one
+    token a step, and decodes on; a row waiting on it is a hole (masked out, no position, no budget, no uniform),
+    dropped from the Rollout: a row's tokens do not depend on how long its environment took."""
     if group_size < 1 or max_new_tokens < 1 or not temperature >= 0:
         raise ValueError(f"need G, max_new_tokens >= 1, temperature >= 0: {group_size, max_new_tokens, temperature}")
     was_training, G = model.training, group_size
     model.eval()  # no dropout, and HF drops the KV cache in train mode under gradient checkpointing
     device, pad_id = next(model.parameters()).device, stop_ids[0]  # any pad id works: padding is masked everywhere
+    if env is not None:
+        prompts = env.reset(examples or [{}] * len(prompts), prompts, G)
     seqs = encode_prompts(tokenizer, prompts, env)
     cut = torch.tensor([max_prompt_tokens is not None and len(s) > max_prompt_tokens for s in seqs])  # (B,)
     seqs = [s[-max_prompt_tokens:] for s in seqs] if max_prompt_tokens else seqs
     ids, mask = (t.to(device) for t in left_pad(seqs, pad_id))  # (B, P)
     N = ids.size(0) * G
-    # one uniform per row and token, drawn up front (per prompt when given a generator per prompt)
+    # one uniform per row and budget token, drawn up front (per prompt when given a generator per prompt)
     gens, rows = (generator, G) if isinstance(generator, (list, tuple)) else ([generator], N)
     u = torch.cat([torch.rand(rows, max_new_tokens, generator=g, device=g and g.device) for g in gens]).to(device)
     stop, done = torch.as_tensor(stop_ids, device=device), torch.zeros(N, dtype=torch.bool, device=device)
-    tokens = torch.full((N, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    logps = torch.zeros(N, max_new_tokens, device=device)
-    real, is_env = torch.zeros(2, N, max_new_tokens, dtype=torch.bool, device=device)  # a row's token; a reply's
-    if env is not None:
-        env.reset(N)
+    used = torch.zeros(N, dtype=torch.long, device=device)  # (N,) budget used: own tokens and replies fed
+    cols = []  # per step: token, log-prob, own, reply (N,) each
     cache = _Cache(config=model.config)
     cached = _cache_kwarg(model.get_decoder() if hasattr(model, "get_decoder") else model, cache)  # peft: **kwargs
     try:
@@ -159,53 +165,82 @@ def sample(
             )  # (N, V)
             cache.batch_repeat_interleave(G)
             mask, pos = mask.repeat_interleave(G, 0), pos[:, -1:].repeat_interleave(G, 0)  # (N, P), (N, 1)
-            for t in range(max_new_tokens):
-                logits = logits.float() / (temperature or 1.0)  # (N, V)
-                tok = sample_from_logits(logits, u[:, t]) if temperature else logits.argmax(-1)  # (N,)
-                real[:, t], tok = ~done, tok.masked_fill(done, pad_id)  # (N,)
-                if env is not None:  # a row in a tool's reply takes the reply's next token instead
-                    tok, is_env[:, t], end = env.step(tok, done)
-                    done |= end  # a call over the limit ends the row
-                tokens[:, t] = tok
-                logps[:, t] = logits.log_softmax(-1).gather(1, tok[:, None]).squeeze(1)
-                done |= torch.isin(tok, stop) & ~is_env[:, t]  # a reply's end-of-turn is no stop
-                if t == max_new_tokens - 1 or bool(done.all()):
+            while True:
+                scaled = logits.float() / (temperature or 1.0)  # (N, V)
+                ut = u.gather(1, used[:, None].clamp(max=max_new_tokens - 1)).squeeze(1)  # (N,) by the row's own count
+                tok = sample_from_logits(scaled, ut) if temperature else scaled.argmax(-1)  # (N,)
+                own, tok = ~done, tok.masked_fill(done, pad_id)  # (N,)
+                reply, end = torch.zeros_like(done), torch.isin(tok, stop) & own
+                if env is not None:  # a row in a reply takes the reply's next token; a waiting row a hole
+                    tok, own, reply, end = env.step(tok, done, end, used == max_new_tokens - 1)
+                fed = own | reply  # (N,)
+                cols.append((tok, scaled.log_softmax(-1).gather(1, tok[:, None]).squeeze(1), own, reply))
+                used += fed
+                done |= end | (used == max_new_tokens)
+                if bool(done.all()):
                     break
-                mask, pos = F.pad(mask, (0, 1), value=1), pos + 1  # (N, P+t+1), (N, 1)
-                logits = model(
+                mask, pos = torch.cat([mask, fed[:, None].long()], 1), pos + fed[:, None]  # (N, P+t+1), (N, 1)
+                out = model(
                     input_ids=tok[:, None], attention_mask=mask, position_ids=pos, **cached, use_cache=True
                 ).logits[:, -1]  # (N, V)
+                logits = torch.where(fed[:, None], out, logits)  # a hole's row samples from its last real token
     finally:
         model.train(was_training)
-    completion_ids, real, is_env = tokens[:, : t + 1], real[:, : t + 1], is_env[:, : t + 1]  # (N, C) each
-    completion_mask = (real & ~is_env).long()  # (N, C) the model's own tokens, its stop token included
-    truncated = ~(torch.isin(completion_ids, stop) & completion_mask.bool()).any(1)  # (N,)
-    lengths = real.sum(1) - (~truncated).long()  # (N,) tokens before the stop token
-    texts = tokenizer.batch_decode(
-        [row[:n] for row, n in zip(completion_ids.tolist(), lengths.tolist())], skip_special_tokens=env is None
-    )  # a tool's reply shows its turns
-    calls, errors = (env.calls, env.errors) if env is not None else torch.zeros(2, N, dtype=torch.long)
+    tokens, logps, own, reply = (torch.stack(c, 1) for c in zip(*cols))  # (N, steps) each
+    keep = torch.sort((~(own | reply)).long(), dim=1, stable=True).indices[:, : int(used.max())]  # (N, C) holes dropped
+    tokens, logps, own, reply = (x.gather(1, keep) for x in (tokens, logps, own, reply))
+    tokens = tokens.masked_fill(~(own | reply), pad_id)
+    is_stop = torch.isin(tokens, stop) & own  # (N, C)
+    last = (own.long() * torch.arange(tokens.size(1), device=device)).argmax(1)  # (N,) each row's last own token
+    truncated = ~is_stop.gather(1, last[:, None]).squeeze(1)  # (N,) ended without a stop token
+    completions = own_text(tokenizer, tokens, own & ~is_stop, reply)
+    trajectories, states = completions, None
+    if env is not None:  # the conversation as the template writes it, the row's final stop token left out
+        ends = (own | reply).sum(1) - (~truncated).long()  # (N,)
+        trajectories = [tokenizer.decode(row[:n], skip_special_tokens=False) for row, n in zip(tokens.tolist(), ends)]
+        states = env.states()
+    calls, errors = (torch.tensor([s.get(k, 0) for s in states or [{}] * N]) for k in ("tool_calls", "tool_errors"))
     return Rollout(
         prompt_ids=ids.repeat_interleave(G, 0),
         prompt_mask=mask[:, : ids.size(1)],
-        completion_ids=completion_ids,
-        completion_mask=completion_mask,
+        completion_ids=tokens,
+        completion_mask=own.long(),  # the model's own tokens, its stop token included
         truncated=truncated,
-        completions=texts,
-        sample_logp=logps[:, : t + 1].masked_fill(completion_mask == 0, 0.0),
+        completions=completions,
+        sample_logp=logps.masked_fill(~own, 0.0),
         prompt_cut=cut.repeat_interleave(G, 0).to(device),
-        env_mask=is_env,
-        tool_calls=calls.to(device, copy=True),
-        tool_errors=errors.to(device, copy=True),
+        env_mask=reply,
+        tool_calls=calls.to(device),
+        tool_errors=errors.to(device),
+        trajectories=trajectories,
+        env_state=states,
     )
+
+
+def own_text(tokenizer, ids, keep, reply):
+    """The model's own words per row: the ids (N, C) under keep (N, C), special tokens skipped, one turn per stretch
+    between replies (N, C), the turns joined by a newline."""
+    out = []
+    for row, k, r in zip(ids.tolist(), keep.tolist(), reply.tolist()):
+        turns = [[]]
+        for x, is_own, is_reply in zip(row, k, r):
+            if is_reply and turns[-1]:
+                turns.append([])
+            if is_own:
+                turns[-1].append(x)
+        out.append("\n".join(tokenizer.batch_decode([t for t in turns if t], skip_special_tokens=True)))
+    return out
 
 
 def concat(rollouts):
     """Rollouts of different widths -> one: prompts re-padded on the left, completions on the right (masked,
     log-prob 0)."""
-    out = {"completions": [c for r in rollouts for c in r.completions]}
-    for name in [f.name for f in fields(Rollout) if f.name != "completions"]:
-        parts = [getattr(r, name) for r in rollouts]  # (n_i, w_i) or (n_i,)
+    out = {}
+    for name in [f.name for f in fields(Rollout)]:
+        parts = [getattr(r, name) for r in rollouts]  # (n_i, w_i) or (n_i,) or lists
+        if isinstance(parts[0], list):
+            out[name] = [x for p in parts for x in p]
+            continue
         w = max(x.size(-1) for x in parts)
         left = name.startswith("prompt")  # prompts are left-padded, completions right-padded
         out[name] = torch.cat(

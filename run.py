@@ -120,7 +120,7 @@ def idle(args, given, tools):
             ("is_cap", args.is_mode == "none" and "--is-mode none"),
             ("eval_every", args.eval_n == 0 and "--eval-n 0"),
             ("max_resample", not args.dynamic_sampling and "no --dynamic-sampling"),
-            ("max_tool_calls", not tools and f"task {args.task} has no tools"),
+            ("max_tool_calls max_reply_tokens max_attempts", not tools and f"task {args.task} has no environment"),
             ("task_options", not args.task.startswith("rg:") and f"task {args.task} is not a reasoning-gym task"),
         ]
         if why

@@ -56,7 +56,7 @@ class Task(NamedTuple):
     reward_weights: dict  # name -> default weight (train.py --reward-weights overrides by name)
     score: Callable  # score(completion, example) -> dict for eval.py
     step_rewards: Callable | None = None  # (completion, example) -> [(char_end, reward), ...]: see step_positions
-    tools: Callable | None = None  # (tokenizer, max_calls) -> an envs.ToolEnv of the task's tools
+    tools: Callable | None = None  # (tokenizer, **config keys) -> an envs.EnvDriver: the task's environment
 
 
 def check_generated(split, ops="+", n=None, data_dir=None):  # a generator's checks -> n: 200 test / 10,000 train
@@ -204,8 +204,9 @@ def evaluate(
     env=None,
 ):
     """Score `examples` -> (summary, one record per example); n=1 is greedy, n>1 samples n completions
-    each (mean accuracies, pass@k). dtype: sampling's compute dtype. progress: a bar on stderr. A task with
-    tools runs them (env: an envs.ToolEnv, else one with its defaults): the rate of samples that called one too."""
+    each (mean accuracies, pass@k). dtype: sampling's compute dtype. progress: a bar on stderr. A task with an
+    environment runs it (env: an envs.EnvDriver, else one with its defaults): the model's own words are scored, each
+    record keeps the trajectory, and the environments' states are averaged (tool_call_rate: samples that called)."""
     env = task.tools(tokenizer) if task.tools and env is None else env
     stops = stop_token_ids(tokenizer, model)
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
@@ -224,9 +225,9 @@ def evaluate(
                 generator=generator,
                 dtype=dtype,
                 env=env,
+                examples=batch,
             )
-            calls = r.tool_calls.view(len(batch), n).float().cpu()  # (B, n)
-            calls, called = calls.mean(1).tolist(), (calls > 0).float().mean(1).tolist()  # (B,) each: per sample
+            states = [{**s, "called": float(s["tool_calls"] > 0)} if "tool_calls" in s else s for s in r.env_state]
             for j, ex in enumerate(batch):
                 outs = r.completions[j * n : (j + 1) * n]
                 scores = [task.score(c, ex) for c in outs]
@@ -242,12 +243,14 @@ def evaluate(
                         **({"score": sum(s["score"] for s in scores) / n} if "score" in scores[0] else {}),
                         **({"source": ex["source"]} if "source" in ex else {}),
                         **({"completions": outs} if n > 1 else {}),
-                        **({"tool_calls": calls[j], "called": called[j]} if env is not None else {}),
+                        **({"trajectory": r.trajectories[j * n]} if env is not None else {}),
+                        **{k: sum(s[k] for s in states[j * n : (j + 1) * n]) / n for k in states[j * n]},
                     }
                 )
             bar.update(len(batch))
     m, names = max(len(records), 1), {"strict": "strict_acc", "flexible": "flexible_acc", "format": "format_rate"}
-    names.update({"called": "tool_call_rate", "tool_calls": "tool_calls"} if env is not None else {})
+    names.update({k: k for k in (states[0] if records else {})})  # the environments' states, averaged
+    names.update({"called": "tool_call_rate"} if "called" in names else {})
     names.update({"score": "score"} if records and "score" in records[0] else {})  # a partial-credit mean
     summary = {"n_examples": len(records), **{name: sum(r[k] for r in records) / m for k, name in names.items()}}
     for source in sorted({r["source"] for r in records if "source" in r}):  # a mix: which task moved

@@ -80,7 +80,9 @@ CONSTANTS = {  # knobs few would sweep: (default, range or choices); set in a co
     "cispo_cap": (5.0, ">= 1"),
     "sapo_temperature_pos": (1.0, "> 0"),
     "sapo_temperature_neg": (1.05, "> 0"),
-    "max_tool_calls": (4, ">= 1"),  # a task with tools: a row's next call ends it (envs.py)
+    "max_tool_calls": (4, ">= 1"),  # a task with tools: later calls get an error reply (envs.py)
+    "max_reply_tokens": (64, ">= 1"),  # an environment's reply is cut to this many tokens
+    "max_attempts": (2, ">= 1"),  # a task with feedback (arith_retry): answers a row may give
     "task_options": ({}, None),  # rg: tasks: the dataset's config fields, "seed", "size" (of test) (extra_tasks.py)
 }
 RANGES = {
@@ -175,7 +177,8 @@ if ddp:
 if args.fsdp or args.lora_rank or ddp:
     import scale
 gathered = scale.gathered if args.fsdp else nullcontext  # --fsdp: sampling needs whole weights
-env = task.tools(tokenizer, args.max_tool_calls) if task.tools else None  # a ToolEnv (envs.py) feeds tool replies
+env_keys = {k: getattr(args, k) for k in ("max_reply_tokens", "max_attempts")}  # an envs.EnvDriver feeds replies
+env = task.tools(tokenizer, args.max_tool_calls, **env_keys) if task.tools else None
 torch.manual_seed(args.seed + rank)
 autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
@@ -263,11 +266,12 @@ def collect(step):
                 dtype,
                 max_prompt,
                 env,
+                exs,
             )
         fields = {f: [e[f] for e in exs for _ in range(G)] for f in exs[0]}  # each example's fields, G times
         fields["num_tokens"] = (r.completion_mask + r.env_mask.long()).sum(1).tolist()  # and each row's own
-        fields["tool_calls"] = r.tool_calls.tolist()
-        fields["tool_errors"] = r.tool_errors.tolist()
+        fields["trajectory"] = r.trajectories  # completions: the model's own words; this: the replies too
+        fields.update(r.state_fields)  # its environment's: tool_calls, tool_errors, attempts ...
         try:
             total, per_fn = combine_rewards(reward_fns, weights, r.completions, **fields)
         except RewardError as e:
@@ -421,7 +425,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
             tool_calls=r.tool_calls.float().mean(),
             tool_errors=r.tool_errors.float().mean(),
             env_tokens=r.env_mask.sum(1).float().mean(),
-            turns=1 + r.tool_calls.float().mean(),
+            turns=1 + (r.env_mask[:, 1:] & ~r.env_mask[:, :-1]).sum(1).float().mean(),  # 1 + its replies
         )
     row = {
         k: run.all_reduce(torch.as_tensor(v, dtype=torch.float32, device=device).detach(), run.reduce_op(k)).item()

@@ -91,7 +91,17 @@ def stub_sample(correct, calls):
     """rollout.sample for toy prompts: example q's first correct[q] of n completions are right (toy.score)."""
 
     def sample(
-        model, tokenizer, prompts, n, max_new_tokens, stops, temperature=1.0, generator=None, dtype=None, env=None
+        model,
+        tokenizer,
+        prompts,
+        n,
+        max_new_tokens,
+        stops,
+        temperature=1.0,
+        generator=None,
+        dtype=None,
+        env=None,
+        examples=None,
     ):
         calls.append((len(prompts), n, temperature))
         outs = []
@@ -99,7 +109,7 @@ def stub_sample(correct, calls):
             q = msgs[-1]["content"]
             right, wrong = ("w2", "w1") if toy.score("w2", {"answer": ANSWERS[q]})["strict"] else ("w1", "w2")
             outs += [right if i < correct[q] else wrong for i in range(n)]
-        return SimpleNamespace(completions=outs, tool_calls=torch.zeros(len(outs), dtype=torch.long))
+        return SimpleNamespace(completions=outs, env_state=[{} for _ in outs])  # a Rollout without an environment
 
     return sample
 

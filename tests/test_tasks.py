@@ -403,7 +403,9 @@ def test_tasks_table():
     """Fails if a task moves between the default path and extra_tasks.py, shares its weights dict with another, or
     extra_tasks.get accepts an unknown name."""
     assert set(TASKS) == {"gsm8k", "arith"}
-    assert {"arith_steps", "arith_tool", "arith_mul", "gsm8k_python"} <= set(extra_tasks.EXTRA)
+    assert {"arith_steps", "arith_tool", "arith_mul", "arith_tool_mixed", "arith_retry", "gsm8k_python"} <= set(
+        extra_tasks.EXTRA
+    )
     every = {**TASKS, **extra_tasks.EXTRA}
     for task in every.values():
         assert set(task.reward_weights) == set(task.reward_fns)
@@ -414,8 +416,9 @@ def test_tasks_table():
         text, {"answer": "8"}
     )
     assert TASKS["gsm8k"].step_rewards is None and TASKS["arith"].step_rewards is None
-    assert every["arith_tool"].tools and every["gsm8k_python"].tools and not every["arith_mul"].tools
-    with pytest.raises(ValueError, match="unknown task 'arith_x'; tasks: arith, arith_mul, arith_steps, arith_tool, "):
+    assert {"arith_tool", "arith_tool_mixed", "arith_retry", "gsm8k_python"} <= {n for n, t in every.items() if t.tools}
+    assert not every["arith_mul"].tools
+    with pytest.raises(ValueError, match="unknown task 'arith_x'; tasks: arith, arith_mul, arith_retry, arith_steps"):
         extra_tasks.get("arith_x")
     assert Task(*range(5)).step_rewards is None  # five-field tasks still build
 

@@ -1,7 +1,8 @@
 """Multi-turn tool rollouts: rollout.sample with an environment, the loss and log-probs on trajectories that hold
-tools' replies, train.py and evaluate() on a task with tools. CPU, fp32, tiny models built in process; a stub of
-tools.ToolEnv on word tokens (tests/toy.py's WordToolEnv: a row's own w5 is a call, w7 a call answered with an error,
-the reply the words "w1 <|im_end|> w2") and the real ToolEnv on the offline SmolLM2 (`real_model`).
+tools' replies, train.py and evaluate() on a task with tools. CPU, fp32, tiny models built in process; a stub tool on
+word tokens (tests/toy.py's WordTools: a row's own w5 is a call, w7 a call answered with an error, the reply the word
+"w1" in the chat template's frame: `<|im_end|> <|im_start|> user w1 <|im_end|> <|im_start|> assistant`, 7 tokens) and
+the real ToolEnv on the offline SmolLM2 (`real_model`).
 
 Tolerances (conftest): the log-prob pass against the model's own forward, one row at a time, computes the same fp32
 sums in another order, within 64 eps32 of the largest |log-prob| compared (measured <= 13); the decode loop against
@@ -14,6 +15,8 @@ import json
 import math
 import subprocess
 import sys
+import threading
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -25,11 +28,11 @@ import toy
 from conftest import DECODE, ENDOFTEXT, EOS, VOCAB, assert_close_scaled, make_tokenizer, tiny
 from rollout import batch_logprobs, completion_hidden, sample, token_logprobs
 from tasks import TASKS, evaluate
-from toy import REPO, TIMING, TRAIN, WordToolEnv, read_metrics, run_script, subprocess_env, train_args
+from toy import REPO, TIMING, TRAIN, WordTools, read_metrics, run_script, subprocess_env, train_args
 
 _ = -1  # a step the script leaves to the model (a reply's step: the environment replaces the token)
 W = VOCAB  # conftest's word ids: W["w5"]
-REPLY = [W["w1"], EOS, W["w2"]]  # the stub's reply, the end-of-turn id inside it
+REPLY = [EOS, W["<|im_start|>"], W["user"], W["w1"], EOS, W["<|im_start|>"], W["assistant"]]  # the stub's, framed
 L = len(REPLY)
 PROMPTS = [
     "w1 w2",
@@ -39,7 +42,9 @@ PROMPTS = [
 
 
 def stub(tok, max_calls=2, calls=("w5",)):
-    return WordToolEnv(tok, max_calls, calls=calls, errors=("w7",), reply=("w1", "<|im_end|>", "w2"))
+    import envs
+
+    return envs.EnvDriver(WordTools(max_calls, calls=calls, errors=("w7",), reply="w1"), tok)
 
 
 def gen(seed=0):
@@ -63,6 +68,9 @@ class Forced(torch.nn.Module):
         logits = self.model(**kw).logits[:, -1:].clone()  # (n, 1, V)
         if "logits_to_keep" in kw:  # the prefill: a new batch, step 0
             self.batch, self.t = self.batch + 1, 0
+            self.fed = torch.zeros(len(self.scripts[self.batch]), dtype=torch.long)  # (N,) a row's tokens fed
+        else:  # a row's step counts its fed tokens: a hole (a row waiting on its environment) is no step
+            self.fed += kw["attention_mask"][:, -1].cpu()
         script = self.scripts[self.batch]
         G = len(script) // logits.size(0)
         if self.t == 0:
@@ -70,10 +78,10 @@ class Forced(torch.nn.Module):
                 "a group's rows share their prefill: the script must give them one step 0"
             )
         for r in range(logits.size(0)):
-            steps = script[r * G if self.t == 0 else r]
-            if self.t < len(steps) and steps[self.t] >= 0:
+            steps, t = script[r * G if self.t == 0 else r], int(self.fed[r]) if self.t else 0
+            if t < len(steps) and steps[t] >= 0:
                 logits[r] = -1e4
-                logits[r, 0, steps[self.t]] = 0.0
+                logits[r, 0, steps[t]] = 0.0
         self.t += 1
         return SimpleNamespace(logits=logits)
 
@@ -82,66 +90,136 @@ class Forced(torch.nn.Module):
 # 3. masks by hand: rows ending at different turns, the call limit, a reply cut by the budget
 
 
+B = 28  # scripted_rollout's budget: room for three calls (3 x 8 tokens) and an answer
+
+
 def scripted_rollout(model, tok):
-    """Five rows (one prompt each, G=1), 10 new tokens, stop ids [<|endoftext|>, <|im_end|>] (pad: <|endoftext|>),
-    at most 2 calls: 0 calls; 1 call then a stop; 2 calls (the second an error) then a stop; a call at every turn
-    (the third ends the row); a call on step 8 whose reply the budget cuts after 1 token."""
-    w = [W[f"w{i}"] for i in range(21)]
+    """Six rows (one prompt each, G=1), B = 28 new tokens, stop ids [<|endoftext|>, <|im_end|>] (pad:
+    <|endoftext|>), at most 2 calls: 0 calls; 1 call then a stop; 2 calls (the second an error) then a stop; a call at
+    every turn (the third, past the limit, gets an error reply) then an answer; a call on step 26 whose reply the
+    budget cuts after 1 token; a call on the last budget token (step 27: neither run nor counted)."""
+    w = [W[f"w{i}"] for i in range(41)]
+    words = [w[i] for i in range(13, 41)]  # 28 words without a call (w5, w7) among them
     script = [
         [w[10], w[11], EOS],
-        [w[5], _, _, _, w[12], EOS],
-        [w[5], _, _, _, W["w7"], _, _, _, EOS],
-        [w[5], _, _, _, w[5], _, _, _, w[5], w[5]],  # it would call again at 9: the row has ended
-        [w[13], w[14], w[15], w[16], w[17], w[18], w[19], w[20], w[5], _],
+        [w[5], *[_] * L, w[12], EOS],
+        [w[5], *[_] * L, W["w7"], *[_] * L, EOS],
+        [w[5], *[_] * L, w[5], *[_] * L, w[5], *[_] * L, w[12], EOS],
+        [*words[:26], w[5], _],
+        [*words[:27], w[5]],
     ]
-    prompts = [PROMPTS[i % 3] for i in range(5)]
-    return sample(Forced(model, script), tok, prompts, 1, 10, [ENDOFTEXT, EOS], generator=gen(), env=stub(tok))
+    prompts = [PROMPTS[i % 3] for i in range(6)]
+    return sample(Forced(model, script), tok, prompts, 1, B, [ENDOFTEXT, EOS], generator=gen(), env=stub(tok))
 
 
 def test_rows_finish_at_different_turns_and_masks_are_exact_by_hand():
+    """Fails if a reply's frame is not fed whole (its <|im_end|> taken for the row's stop), if the call past the limit
+    ends the row instead of an error reply, if the last budget token's call runs, or if a mask, a count or the own
+    text is off (completions holding a reply's words, a turn boundary lost)."""
     tok = make_tokenizer()
     r = scripted_rollout(tiny(), tok)
-    w = {i: W[f"w{i}"] for i in range(21)}
+    w = {i: W[f"w{i}"] for i in range(41)}
+    words = [w[i] for i in range(13, 41)]
     P = ENDOFTEXT  # the pad id: stop_ids[0]
-    assert r.completion_ids.tolist() == [
-        [w[10], w[11], EOS, P, P, P, P, P, P, P],
-        [w[5], w[1], EOS, w[2], w[12], EOS, P, P, P, P],  # the reply's <|im_end|> did not stop the row
-        [w[5], w[1], EOS, w[2], W["w7"], w[1], EOS, w[2], EOS, P],
-        [w[5], w[1], EOS, w[2], w[5], w[1], EOS, w[2], w[5], P],  # ended on its third call: no reply, no step 9
-        [w[13], w[14], w[15], w[16], w[17], w[18], w[19], w[20], w[5], w[1]],
-    ]  # cut 1 token into the reply
-    assert r.completion_mask.tolist() == [
-        [1, 1, 1, 0, 0, 0, 0, 0, 0, 0],
-        [1, 0, 0, 0, 1, 1, 0, 0, 0, 0],
-        [1, 0, 0, 0, 1, 0, 0, 0, 1, 0],
-        [1, 0, 0, 0, 1, 0, 0, 0, 1, 0],
-        [1, 1, 1, 1, 1, 1, 1, 1, 1, 0],
+    # lengths by hand: 3; 1 + 7 + 2 = 10; 1 + 7 + 1 + 7 + 1 = 17; 3 * (1 + 7) + 2 = 26; 26 + 1 + 1 = 28; 27 + 1 = 28
+    rows = [
+        [w[10], w[11], EOS],
+        [w[5], *REPLY, w[12], EOS],  # the reply's own <|im_end|> (REPLY[0], REPLY[4]) did not stop the row
+        [w[5], *REPLY, W["w7"], *REPLY, EOS],
+        [w[5], *REPLY, w[5], *REPLY, w[5], *REPLY, w[12], EOS],  # the third call's reply is the limit's error
+        [*words[:26], w[5], REPLY[0]],  # cut 1 token into the reply
+        [*words[:27], w[5]],  # its call on the last budget token: no reply
     ]
-    assert r.env_mask.int().tolist() == [
-        [0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
-        [0, 1, 1, 1, 0, 0, 0, 0, 0, 0],
-        [0, 1, 1, 1, 0, 1, 1, 1, 0, 0],
-        [0, 1, 1, 1, 0, 1, 1, 1, 0, 0],
-        [0, 0, 0, 0, 0, 0, 0, 0, 0, 1],
+    assert r.completion_ids.tolist() == [x + [P] * (B - len(x)) for x in rows]
+    own = [
+        [1] * 3,
+        [1] + [0] * L + [1, 1],
+        [1] + [0] * L + [1] + [0] * L + [1],
+        [1] + [0] * L + [1] + [0] * L + [1] + [0] * L + [1, 1],
+        [1] * 27 + [0],
+        [1] * 28,
     ]
-    assert r.attention_mask[:, -10:].tolist() == [
-        [1] * 3 + [0] * 7,
-        [1] * 6 + [0] * 4,
-        [1] * 9 + [0],
-        [1] * 9 + [0],
-        [1] * 10,
-    ]
-    assert r.truncated.tolist() == [False, False, False, True, True]  # the call limit and the budget: no stop
-    assert r.tool_calls.tolist() == [0, 1, 2, 2, 1] and r.tool_errors.tolist() == [0, 0, 1, 0, 0]
+    assert r.completion_mask.tolist() == [x + [0] * (B - len(x)) for x in own]
+    assert r.env_mask.int().tolist() == [[1 - v for v in x] + [0] * (B - len(x)) for x in own]
+    assert r.attention_mask[:, -B:].tolist() == [[1] * len(x) + [0] * (B - len(x)) for x in rows]
+    assert r.truncated.tolist() == [False, False, False, False, True, True]  # the budget: no stop
+    assert r.tool_calls.tolist() == [0, 1, 2, 3, 1, 0] and r.tool_errors.tolist() == [0, 0, 1, 1, 0, 0]
     assert (r.sample_logp[r.env_mask] == 0).all() and not (r.completion_mask.bool() & r.env_mask).any()
-    # the text shows the replies' turns (special tokens kept), the row's own stop token left out
-    assert r.completions == [
-        "w10 w11",
-        "w5 w1 <|im_end|> w2 w12",
-        "w5 w1 <|im_end|> w2 w7 w1 <|im_end|> w2",
-        "w5 w1 <|im_end|> w2 w5 w1 <|im_end|> w2 w5",
-        "w13 w14 w15 w16 w17 w18 w19 w20 w5 w1",
-    ]
+    # completions: the model's own words only, a turn a line (a stop alone is no turn); trajectories: the replies too
+    text = " ".join(f"w{i}" for i in range(13, 39))
+    assert r.completions == ["w10 w11", "w5\nw12", "w5\nw7", "w5\nw5\nw5\nw12", f"{text} w5", f"{text} w39 w5"]
+    frame = "<|im_end|> <|im_start|> user w1 <|im_end|> <|im_start|> assistant"
+    assert r.trajectories[:2] == ["w10 w11", f"w5 {frame} w12"]  # the row's own stop token left out
+    assert r.trajectories[3] == f"w5 {frame} w5 {frame} w5 {frame} w12"
+    assert r.trajectories[4] == f"{text} w5 <|im_end|>"  # a reply's <|im_end|> is no stop: it stays
+
+
+class GatedTools(WordTools):
+    """The stub whose first row's turns wait on `release` (up to 10 s; `entered` set when one starts); the other rows'
+    answer at once."""
+
+    def __init__(self, release, **kw):
+        super().__init__(**kw)
+        self.release, self.entered, self.in_time, self.made = release, threading.Event(), [], 0
+
+    def __call__(self):
+        self.made += 1
+        env = toy.WordToolEnv(self)
+        if self.made == 1:  # row 0's
+            env.turn = partial(self.gated, env.turn)
+        return env
+
+    def gated(self, turn, text, stopped):
+        self.entered.set()
+        self.in_time.append(self.release.wait(10))
+        return turn(text, stopped)
+
+
+class Gate(Forced):
+    """Forced, which also releases a GatedTools' call after `hold` decode steps where row 0 was a hole (waiting on
+    it), and records each such step's fed rows (N,)."""
+
+    def __init__(self, model, tools, hold, *scripts):
+        super().__init__(model, *scripts)
+        self.tools, self.hold, self.while_pending = tools, hold, []
+
+    def forward(self, **kw):
+        fed = kw["attention_mask"][:, -1]  # (N,) in a decode step
+        if "logits_to_keep" not in kw and not fed[0] and not self.tools.release.is_set():
+            self.while_pending.append(fed.clone())
+            if len(self.while_pending) == self.hold:
+                self.tools.release.set()
+        return super().forward(**kw)
+
+
+def test_a_slow_call_holds_only_its_row_and_changes_no_rows_tokens():
+    """Row 0 calls at its step 1; its call answers only after 3 decode steps with row 0 a hole (released by the
+    model's forward).
+    Fails if turns run in the decode loop's thread (the call would wait its 10 s out: no step runs to release it), if
+    the other rows stop while it is pending, or if a waiting row's hole takes a uniform, a position or a token of its
+    own: every row's tokens must equal those of the same run with the tool instant."""
+    import envs
+
+    tok, model = make_tokenizer(), tiny()
+    w10, w5 = W["w10"], W["w5"]
+    script = [[w10, w5], [w10], [_], [_], [_], [_]]  # 3 prompts x G=2; only row 0's call is forced
+    runs = []
+    for instant in (True, False):
+        release = threading.Event()
+        if instant:
+            release.set()
+        tools = GatedTools(release, max_calls=2, calls=("w5",), errors=("w7",), reply="w1")
+        model_ = Gate(model, tools, 3, script)
+        env = envs.EnvDriver(tools, tok)
+        r = sample(model_, tok, PROMPTS, 2, 24, [EOS], temperature=1.0, generator=[gen(i) for i in range(3)], env=env)
+        runs.append((r, tools, model_))
+    fast, (slow, tools, gate) = runs[0][0], runs[1]
+    assert tools.in_time[0] and slow.tool_calls[0] >= 1 and slow.env_mask[0, 2:9].all()  # row 0 called, answered
+    assert len(gate.while_pending) == 3 and all(m[1:].all() for m in gate.while_pending)  # the others decoded
+    for k in ("completion_ids", "completion_mask", "env_mask", "truncated", "tool_calls", "tool_errors"):
+        assert torch.equal(getattr(slow, k), getattr(fast, k)), k
+    assert slow.completions == fast.completions
+    assert_close_scaled(slow.sample_logp, fast.sample_logp, DECODE)  # masked cache columns: the same sums, reordered
 
 
 # -----------------------------------------------------------------------------
@@ -168,12 +246,15 @@ def loss_inputs(r, model, ref):
     }
 
 
+ADV = [1.0, -0.5, 0.8, -1.2, 0.4, 0.9]  # one advantage per scripted row
+
+
 def loss_and_grads(v, mask, obj, is_mode):
     """grpo_loss as train.py calls it with --mu > 1 -> (loss, {input: d loss / d input}, metrics)."""
     leaves = {k: v[k].clone().requires_grad_() for k in ("logp", "entropy", "kl")}
     w, _ = grpo.behaviour_weights(v["old"], v["sample"], mask, is_mode)
     full = obj.kl_estimator == "full"
-    adv = torch.tensor([1.0, -0.5, 0.8, -1.2, 0.4])  # (N,)
+    adv = torch.tensor(ADV)  # (N,)
     loss, metrics = grpo.grpo_loss(
         leaves["logp"],
         v["old"],
@@ -184,7 +265,7 @@ def loss_and_grads(v, mask, obj, is_mode):
         entropy=leaves["entropy"],
         kl=leaves["kl"] if full else None,
         behaviour_weights=w,
-        num_sequences=torch.tensor(5.0),
+        num_sequences=torch.tensor(6.0),
         num_tokens=mask.sum().float(),
     )
     grads = torch.autograd.grad(
@@ -203,11 +284,13 @@ def rollout_with_replies():
 @pytest.mark.parametrize("kl_estimator", ["k3_clamped", "k3", "full"])  # k3: no clamp to hide a NaN
 @pytest.mark.parametrize("loss_type", grpo.LOSS_TYPES)
 def test_reply_tokens_get_exactly_zero_loss_and_gradient(rollout_with_replies, loss_type, kl_estimator, variant):
+    """Fails if the loss reads a reply position (env_mask folded into the loss mask, a product with the mask instead of
+    a torch.where that lets a NaN through), or if the loss differs from the same terms with the replies deleted."""
     r, model, ref = rollout_with_replies
     own, reply = r.completion_mask.bool(), r.env_mask  # (N, C) each
-    assert reply.sum() == 16 and own.sum() == 21
+    assert reply.sum() == 43 and own.sum() == 69  # by hand: 7 + 14 + 21 + 1 replies; 3 + 3 + 3 + 5 + 27 + 28 own
     extra = {} if variant == "token" else dict(importance_level="sequence", entropy_coef=0.01, top_entropy_quantile=0.5)
-    obj = grpo.Objective(beta=0.04, kl_estimator=kl_estimator, loss_type=loss_type, max_len=10, **extra)
+    obj = grpo.Objective(beta=0.04, kl_estimator=kl_estimator, loss_type=loss_type, max_len=B, **extra)
     is_mode = "token_truncate" if variant == "token" else "sequence_truncate"
     clean = loss_inputs(r, model, ref)
     assert all(x[reply].abs().min() > 1e-3 for k, x in clean.items() if k != "kl")  # real values, not zeros
@@ -238,7 +321,7 @@ def test_reply_tokens_get_exactly_zero_loss_and_gradient(rollout_with_replies, l
     packed, _, _ = loss_and_grads({k: pack(x) for k, x in clean.items()}, packed_mask, obj, is_mode)
     assert_close_scaled(packed, loss)  # the same terms; dr_grpo's divisor is max_len in both
     # the test has teeth: the same garbage on one own token moves the loss
-    bad = {**clean, "old": clean["old"].masked_fill(own & (torch.arange(10) == 4), 5.0)}
+    bad = {**clean, "old": clean["old"].masked_fill(own & (torch.arange(B) == 4), 5.0)}
     assert not torch.equal(loss_and_grads(bad, r.completion_mask, obj, is_mode)[0], loss)
 
 
@@ -246,7 +329,8 @@ def test_reply_tokens_get_exactly_zero_loss_and_gradient(rollout_with_replies, l
 def test_reply_positions_send_no_gradient_to_the_weights(rollout_with_replies, kl_estimator):
     """The whole path, as train.py's step runs it: token_logprobs with grad (entropy, the exact KL against the
     reference's head), behaviour weights, grpo_loss, backward. Garbage in the old, reference and sampler log-probs
-    at the reply positions leaves the loss and every weight's gradient bit for bit."""
+    at the reply positions leaves the loss and every weight's gradient bit for bit. Fails if any of them reaches the
+    loss or a gradient."""
     r, model, ref = rollout_with_replies
     C, reply = r.completion_ids.size(1), r.env_mask
     full = kl_estimator == "full"
@@ -272,7 +356,7 @@ def test_reply_positions_send_no_gradient_to_the_weights(rollout_with_replies, k
             logp,
             v["old"],
             None if full else v["ref"],
-            torch.tensor([1.0, -0.5, 0.8, -1.2, 0.4]),
+            torch.tensor(ADV),
             r.completion_mask,
             obj,
             entropy=entropy,
@@ -313,9 +397,11 @@ def naive_logprobs(model, r, T, drop_replies=False):
 
 @pytest.mark.parametrize("share", [True, False])
 def test_training_logprobs_are_the_models_forward_on_the_trajectory_and_match_sampling(share):
+    """Fails if the log-prob pass or the decode loop leaves a reply out of the context, shifts a position after one
+    (a reply's tokens given no position, or a hole one), or scores a token the row did not take."""
     tok, model, T = make_tokenizer(), tiny(), 0.8
-    env = stub(tok, max_calls=2, calls=tuple(f"w{i}" for i in range(0, 90, 9)))  # 10 call words: calls are common
-    r = sample(model, tok, PROMPTS, 3, 14, [EOS], temperature=T, generator=gen(0), env=env)
+    env = stub(tok, max_calls=2, calls=tuple(f"w{i}" for i in range(0, 90, 15)))  # 6 call words: calls are common
+    r = sample(model, tok, PROMPTS, 3, 24, [EOS], temperature=T, generator=gen(0), env=env)  # 24: room for 2 calls
     C, own, reply = r.completion_ids.size(1), r.completion_mask.bool(), r.env_mask
     seen = r.attention_mask[:, -C:].bool()
     after = own & (reply.long().cumsum(1) > 0)  # own tokens with a reply before them
@@ -392,8 +478,10 @@ def check_rows(r, script, replies):
 
 @pytest.mark.real_model
 def test_real_tool_errors_are_replies_and_decoding_goes_on(real_model):
-    """An unknown tool, a raising call (the calculator's refusal, a tool's exception) and a slow tool, beside a good
-    call, on SmolLM2 with its own template ("tags" format)."""
+    """A raising call (the calculator's refusal, a tool's exception) and a slow tool, beside a good call, on SmolLM2
+    with its own template ("tags" format: an unregistered <foo> is text, no call; tests/test_tools.py). Fails if an
+    error ends the row or is no reply, if the reply is not the template's frame around the text, or if a reply's
+    words reach the completions (the model's own)."""
     import envs
 
     model, tok = real_model
@@ -401,14 +489,12 @@ def test_real_tool_errors_are_replies_and_decoding_goes_on(real_model):
     assert env.format == "tags"
     calls = [
         "<calculator>1234 * 56</calculator>",
-        "<foo>3</foo>",
         "<calculator>12 +</calculator>",
         "<boom>x</boom>",
         "<slow>x</slow>",
     ]
     results = [
         ("calculator", "69104"),
-        ("foo", "error: unknown tool 'foo'; tools: calculator, boom, slow"),
         ("calculator", "error: not an arithmetic expression"),
         ("boom", "error: boom went the tool"),
         ("slow", "error: slow timed out after 0.3 s"),
@@ -418,13 +504,15 @@ def test_real_tool_errors_are_replies_and_decoding_goes_on(real_model):
     for i, (_, result) in enumerate(results):
         assert (
             f"{calls[i]}<|im_end|>\n<|im_start|>user\nResult: {result}<|im_end|>\n<|im_start|>assistant\n"
-            in r.completions[i]
+            in r.trajectories[i]
         )  # the text as the template writes a conversation
+        assert r.completions[i].startswith(calls[i] + "\n") and "Result:" not in r.completions[i]  # own words only
     assert r.tool_errors[0] <= r.tool_calls[0] - 1 and (r.tool_errors[1:] >= 1).all()  # row 0's first call: no error
 
 
 @pytest.mark.real_model
 def test_real_malformed_json_call_is_a_reply_and_decoding_goes_on(real_model):
+    """Fails if a malformed JSON call ends the row, gets no error reply, or is not counted as an error."""
     import copy
 
     import envs
@@ -446,7 +534,8 @@ def test_real_malformed_json_call_is_a_reply_and_decoding_goes_on(real_model):
 # 5. train.py end to end on the toy task with the stub tool (TASKS["toy_tool"], tests/toy.py)
 
 TOY_CALL, TOY_ERROR = toy.VOCAB["w5"], toy.VOCAB["w7"]
-TOY_REPLY = [toy.VOCAB[w] for w in ("w2", "<|im_end|>", "w4")]
+TOY_FRAME = ("<|im_end|>", "<|im_start|>", "user", "w2", "<|im_end|>", "<|im_start|>", "assistant")  # tests/toy.py's
+TOY_REPLY = [toy.VOCAB[w] for w in TOY_FRAME]  # the stub's reply "w2" in the toy template's frame: 7 tokens
 BUDGET = 12  # train_args' --max-new-tokens
 TOOL_KEYS = ("tool_calls", "tool_errors", "env_tokens")
 
@@ -467,9 +556,10 @@ def tool_tasks(monkeypatch):
 
 
 def replay(r, max_calls=4):
-    """Walk each row's trajectory as the stub's rules say, without its code: an own w5 / w7 is a call (w7 an error)
-    followed by the reply's tokens up to the budget; a call past max_calls is the row's last token; an own stop ends
-    it -> (env_mask (N, C), calls (N,), errors (N,), reply tokens the budget cut (N,))."""
+    """Walk each row's trajectory as the stub's rules say, without its code: an own w5 / w7 is a call (w7 an error),
+    unless it is the row's last budget token (then it is not run, not counted, and the row ends); past max_calls a
+    call is an error too; either way the reply's tokens follow, up to the budget; an own stop ends the row ->
+    (env_mask (N, C), calls (N,), errors (N,), reply tokens the budget cut (N,))."""
     N, C = r.completion_ids.shape
     env, calls, errors, cut = torch.zeros(N, C, dtype=torch.bool), [0] * N, [0] * N, [0] * N
     for i in range(N):
@@ -479,17 +569,51 @@ def replay(r, max_calls=4):
             assert own[t], (i, t)  # every token that is not a reply is the model's own
             if ids[t] == toy.EOS:
                 assert t == n - 1 and not r.truncated[i], (i, t)  # an own stop ends the row
-            if ids[t] in (TOY_CALL, TOY_ERROR):
-                if calls[i] == max_calls:
-                    assert t == n - 1 and r.truncated[i], (i, t)  # the call past the limit ends the row
-                    break
-                calls[i], errors[i] = calls[i] + 1, errors[i] + (ids[t] == TOY_ERROR)
-                k = min(L, BUDGET - t - 1)
+            if ids[t] in (TOY_CALL, TOY_ERROR) and t == BUDGET - 1:
+                assert t == n - 1 and r.truncated[i], (i, t)  # a call on the last budget token: the row's end
+            elif ids[t] in (TOY_CALL, TOY_ERROR):
+                error = ids[t] == TOY_ERROR or calls[i] >= max_calls  # the limit's reply is an error
+                calls[i], errors[i] = calls[i] + 1, errors[i] + error
+                k = min(len(TOY_REPLY), BUDGET - t - 1)
                 assert ids[t + 1 : t + 1 + k] == TOY_REPLY[:k], (i, t)
-                env[i, t + 1 : t + 1 + k], cut[i], t = True, cut[i] + L - k, t + 1 + k
-            else:
-                t += 1
+                env[i, t + 1 : t + 1 + k], cut[i], t = True, cut[i] + len(TOY_REPLY) - k, t + 1 + k
+                continue
+            t += 1
     return env, torch.tensor(calls), torch.tensor(errors), torch.tensor(cut)
+
+
+class Scored:
+    """What the trainer scores: the ids of each rollout.token_logprobs call (the reference's, the old policy's and the
+    policy's passes, micro-batch by micro-batch), and copies of the ids rollout.sample returned."""
+
+    def __init__(self, monkeypatch):
+        import rollout
+
+        self.sampled, self.calls, real_sample, real_logprobs = [], [], rollout.sample, rollout.token_logprobs
+
+        def sample_spy(*args, **kw):
+            r = real_sample(*args, **kw)
+            self.sampled.append([x.clone() for x in (r.prompt_ids, r.prompt_mask, r.completion_ids)])
+            self.calls.append([])  # the calls after this rollout: its step's
+            return r
+
+        def logprobs_spy(model, ids, mask, c, *args, **kw):
+            self.calls[-1].append((ids.clone(), mask.clone(), c))
+            return real_logprobs(model, ids, mask, c, *args, **kw)
+
+        monkeypatch.setattr(rollout, "sample", sample_spy)
+        monkeypatch.setattr(rollout, "token_logprobs", logprobs_spy)
+
+    def check_last_step(self, micro_batch=4):
+        """Each call of the last step scored rows [k, k + micro_batch) of the last rollout (k cycling over the rows,
+        pass after pass): their real prompt tokens, then exactly the sampled completion ids."""
+        (prompt, prompt_mask, completion), calls = self.sampled[-1], self.calls[-1]
+        assert calls, "the last step scored nothing"
+        for j, (ids, mask, c) in enumerate(calls):
+            rows = slice(j * micro_batch % completion.size(0), j * micro_batch % completion.size(0) + micro_batch)
+            assert torch.equal(ids[:, -c:], completion[rows, :c]), j  # the same ids, reply tokens included
+            for got, m, want, want_mask in zip(ids[:, :-c], mask[:, :-c], prompt[rows], prompt_mask[rows]):
+                assert torch.equal(got[m.bool()], want[want_mask.bool()]), j
 
 
 class LossMasks:
@@ -511,18 +635,22 @@ class LossMasks:
         return [torch.cat([F.pad(m.long(), (0, C - m.size(1))) for m in p]) for p in passes]
 
 
-def check_tool_run(out, g, losses, mu=1, max_calls=4):
+def check_tool_run(out, g, losses, mu=1, max_calls=4, scored=None):
     """The metrics of every step are finite and carry the tool metrics; the last step's (g: train.py's globals, its
     last rollout r) are the trajectory's, counted by replay; the loss saw the model's own tokens of the kept rows,
-    never a reply's (losses: LossMasks); the sampler's log-probs meet the trainer's on own tokens only."""
+    never a reply's (losses: LossMasks); the sampler's log-probs meet the trainer's on own tokens only; the trainer
+    scored exactly the sampled ids (scored: Scored, for a run whose last step is one rollout)."""
     r = g["r"]
+    if scored is not None:
+        scored.check_last_step()
     N, C = r.completion_ids.shape
     for mask in losses.last_step(N, C, mu):
         assert torch.equal(mask, r.completion_mask * g["keep"][:, None])
     rows = [row for row in read_metrics(out) if "loss" in row]
     assert len(rows) == 2 and all(math.isfinite(v) for row in rows for v in row.values())
     for row in rows:
-        assert 0 <= row["tool_errors"] <= row["tool_calls"] and row["env_tokens"] <= L * row["tool_calls"] + 1e-6
+        assert 0 <= row["tool_errors"] <= row["tool_calls"]
+        assert row["env_tokens"] <= len(TOY_REPLY) * row["tool_calls"] + 1e-6
         assert row["turns"] == pytest.approx(1 + row["tool_calls"], abs=1e-6)  # the model's turns: one per reply + 1
         # fp32, decode loop against the training pass: within 128 eps32 of |log p| <= ~20, 3e-4; a reply token in
         # the metric's mask would show its whole log-prob there (sample_logp 0 against ~log(1/48) = -3.9)
@@ -535,7 +663,7 @@ def check_tool_run(out, g, losses, mu=1, max_calls=4):
     assert last["tool_calls"] == pytest.approx(calls.float().mean().item(), abs=1e-7)
     assert last["tool_errors"] == pytest.approx(errors.float().mean().item(), abs=1e-7)
     # env_tokens: the reply's length times the calls, less what the budget cut, on average over the rows
-    assert last["env_tokens"] == pytest.approx((L * calls - cut).float().mean().item(), abs=1e-7)
+    assert last["env_tokens"] == pytest.approx((len(TOY_REPLY) * calls - cut).float().mean().item(), abs=1e-7)
     return rows
 
 
@@ -547,10 +675,14 @@ def fresh_toy_state(model_dir):
 
 @pytest.mark.parametrize("extra", [("--mu", 2), ("--dynamic-sampling",)], ids=["mu2", "dynamic"])
 def test_train_with_tools_end_to_end(model_dir, tmp_path, tool_tasks, monkeypatch, extra):
+    """Fails if the loss mask holds a reply token, if the tool metrics disagree with the trajectory's calls (replay),
+    if the trainer scores other ids than were sampled (a trajectory re-tokenized from its text, a reply's ids
+    replaced), if --mu's second pass or --dynamic-sampling's concatenation loses the replies, or if nothing trains."""
     task = "toy_tool_flat" if "--dynamic-sampling" in extra else "toy_tool"
-    losses = LossMasks(monkeypatch)
+    losses, scored = LossMasks(monkeypatch), Scored(monkeypatch)
     g = run_script(TRAIN, train_args(model_dir, str(tmp_path), "--task", task, *extra, "--config", "export=none"))
-    rows = check_tool_run(str(tmp_path), g, losses, mu=2 if "--mu" in extra else 1)
+    one_rollout = "--mu" in extra  # dynamic sampling concatenates rollouts: the sampled rows are re-ordered
+    rows = check_tool_run(str(tmp_path), g, losses, 2 if one_rollout else 1, scored=scored if one_rollout else None)
     if "--mu" in extra:  # the second update's ratio moved off 1: the old log-probs were read
         assert max(row["ratio_max"] for row in rows) > 1 + 1e-3
     else:
@@ -561,20 +693,22 @@ def test_train_with_tools_end_to_end(model_dir, tmp_path, tool_tasks, monkeypatc
 
 
 def test_train_with_tools_and_lora(model_dir, tmp_path, tool_tasks, monkeypatch):
+    """Fails if a LoRA run's loss mask holds a reply token, scores other ids than were sampled, or trains no
+    adapter."""
     if importlib.util.find_spec("peft") is None:
         pytest.skip("needs peft: pip install peft")
-    losses = LossMasks(monkeypatch)
+    losses, scored = LossMasks(monkeypatch), Scored(monkeypatch)
     g = run_script(
         TRAIN, train_args(model_dir, str(tmp_path), "--task", "toy_tool", "--lora-rank", 4, "--config", "export=none")
     )
-    check_tool_run(str(tmp_path), g, losses)
+    check_tool_run(str(tmp_path), g, losses, scored=scored)
     adapters = {k: v for k, v in g["policy"].named_parameters() if "lora_B" in k}  # peft starts B at 0
     assert adapters and max(v.abs().max() for v in adapters.values()) > 1e-4  # the adapters trained
 
 
 def torchrun(args, **env):
-    """toy.torchrun, which on a timeout ends the agent's workers too (a copy here once lacked that and hung on their
-    pipes), then asserts the run succeeded."""
+    """toy.torchrun (on a timeout it ends the agent's workers too, which would otherwise hang on its pipes), then
+    asserts the run succeeded."""
     proc = toy.torchrun(args, **env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -584,8 +718,9 @@ def torchrun(args, **env):
 def test_train_with_tools_on_two_processes_equals_one(model_dir, tmp_path, tool_tasks, monkeypatch):
     """2 gloo processes, one prompt each, against 1 process: a generator per prompt slot samples the same rollouts,
     so the tool metrics (means of small integers over 8 rows: exact in fp32) are equal, the rest to 1e-5 (the same
-    fp32 sums in another order), and the weights to toy.assert_same_training's bounds. Fails if a rank's rows are
-    sampled from another generator, or its gradients are left out of the average."""
+    fp32 sums in another order), and the weights to toy.assert_same_training's bounds. Fails if a rank's environments
+    or replies depend on the other rank's rows, its rows are sampled from another generator, or its gradients are left
+    out of the average."""
     one, two, dump = str(tmp_path / "one"), str(tmp_path / "two"), str(tmp_path / "params")
     losses = LossMasks(monkeypatch)
     g = run_script(TRAIN, train_args(model_dir, one, "--task", "toy_tool", "--config", "export=none"))
@@ -609,6 +744,9 @@ def test_train_with_tools_on_two_processes_equals_one(model_dir, tmp_path, tool_
 
 
 def test_evaluate_counts_tool_calls_per_example_and_in_the_summary():
+    """Fails if evaluate averages the environments' states wrongly (per example over its n samples, then over the
+    examples), scores or records a reply's words as the model's (completions are its own text, the trajectory apart),
+    or gives a task without tools tool fields."""
     tok, model = make_tokenizer(), tiny()
     w = {i: W[f"w{i}"] for i in range(20)}
     examples = [
@@ -616,13 +754,14 @@ def test_evaluate_counts_tool_calls_per_example_and_in_the_summary():
         {"question": "w3 w4", "answer": "odd"},
         {"question": "w6 w8", "answer": "even"},
     ]
-    # n=2 samples each, batch_size 4: batches [ex0, ex1], [ex2]; a group's rows share step 0 (the prefill)
+    # n=2 samples each, batch_size 4: batches [ex0, ex1], [ex2]; a group's rows share step 0 (the prefill); 26 new
+    # tokens: row 2's 1 + 3 * (1 + 7) + 1 fit
     batch1 = [
-        [w[10], w[5], _, _, _, w[12], EOS],  # ex0: 1 call
+        [w[10], w[5], *[_] * L, w[12], EOS],  # ex0: 1 call
         [w[10], w[12], EOS],  # ex0: none
-        [w[10], w[5], _, _, _, W["w7"], _, _, _, w[5]],  # ex1: 2 calls (one an error), the third ends it
-        [w[10], W["w7"], _, _, _, EOS],
-    ]  # ex1: 1 call, an error
+        [w[10], w[5], *[_] * L, W["w7"], *[_] * L, w[5], *[_] * L, EOS],  # ex1: 3 calls, 2 errors (w7, the limit)
+        [w[10], W["w7"], *[_] * L, EOS],  # ex1: 1 call, an error
+    ]
     batch2 = [[w[10], w[14], EOS], [w[10], w[16], w[18], EOS]]  # ex2: none
     task = toy.TOOL_TASK
     summary, records = evaluate(
@@ -630,28 +769,37 @@ def test_evaluate_counts_tool_calls_per_example_and_in_the_summary():
         tok,
         task,
         examples,
-        max_new_tokens=10,
+        max_new_tokens=26,
         batch_size=4,
         n=2,
         progress=False,
         env=stub(tok, max_calls=2),
     )
-    assert [(x["tool_calls"], x["called"]) for x in records] == [(0.5, 0.5), (1.5, 1.0), (0.0, 0.0)]
-    assert summary["tool_calls"] == pytest.approx(2 / 3) and summary["tool_call_rate"] == pytest.approx(1 / 2)
-    assert records[0]["completions"] == ["w10 w5 w1 <|im_end|> w2 w12", "w10 w12"]
-    # greedy (n=1) with no env given: evaluate builds the task's own (the stub's defaults: max_calls 4, reply w2...)
-    greedy = [[w[10], w[5], _, _, _, w[5], _, _, _, EOS], [w[10], EOS]]
+    # by hand, per example the mean of its 2 samples: calls (1 + 0) / 2, (3 + 1) / 2, 0; errors 0, (2 + 1) / 2, 0
+    assert [(x["tool_calls"], x["tool_errors"], x["called"]) for x in records] == [
+        (0.5, 0.0, 0.5),
+        (2.0, 1.5, 1.0),
+        (0.0, 0.0, 0.0),
+    ]
+    assert summary["tool_calls"] == pytest.approx(5 / 6) and summary["tool_call_rate"] == pytest.approx(1 / 2)
+    assert records[0]["completions"] == ["w10 w5\nw12", "w10 w12"]  # own words, a turn a line
+    frame = "<|im_end|> <|im_start|> user w1 <|im_end|> <|im_start|> assistant"
+    assert records[0]["trajectory"] == f"w10 w5 {frame} w12"
+    # greedy (n=1) with no env given: evaluate builds the task's own (the stub's defaults: max_calls 4, reply w2)
+    greedy = [[w[10], w[5], *[_] * L, w[5], *[_] * L, EOS], [w[10], EOS]]
     summary, records = evaluate(
-        Forced(model, greedy), tok, task, examples[:2], max_new_tokens=10, batch_size=2, progress=False
+        Forced(model, greedy), tok, task, examples[:2], max_new_tokens=26, batch_size=2, progress=False
     )
     assert [(x["tool_calls"], x["called"]) for x in records] == [(2.0, 1.0), (0.0, 0.0)]
-    assert records[0]["completion"] == "w10 w5 w2 <|im_end|> w4 w5 w2 <|im_end|> w4"
+    assert records[0]["completion"] == "w10 w5\nw5"
+    frame = frame.replace("user w1", "user w2")
+    assert records[0]["trajectory"] == f"w10 w5 {frame} w5 {frame}"
     assert summary["tool_calls"] == 1.0 and summary["tool_call_rate"] == 0.5
     # a task without tools: no tool fields
     summary, records = evaluate(
         Forced(model, greedy), tok, toy.TASK, examples[:2], max_new_tokens=10, batch_size=2, progress=False
     )
-    assert "tool_call_rate" not in summary and "tool_calls" not in records[0]
+    assert "tool_call_rate" not in summary and "tool_calls" not in records[0] and "trajectory" not in records[0]
 
 
 def test_a_run_without_tools_imports_the_default_path_only(model_dir, tmp_path):

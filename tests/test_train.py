@@ -440,7 +440,7 @@ def test_config_file_errors_are_one_line(model_dir, tmp_path, capsys, line, mess
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["--task", "nope"], "unknown task 'nope'; tasks: arith, arith_mul, arith_steps, arith_tool, gsm8k"),
+        (["--task", "nope"], "unknown task 'nope'; tasks: arith, arith_mul, arith_retry, arith_steps, arith_tool"),
         (["--model", "{tmp}/no/such/model"], "smollm2-135m"),
         (["--group-size", 1], "--group-size must be >= 2"),
         (["--micro-batch", 3], "--micro-batch 3 must divide the 8 completions"),

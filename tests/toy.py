@@ -315,42 +315,45 @@ def save_that_fails(error, fraction):
 # the toy task with tools: a stub of tools.ToolEnv on word tokens (real tag parsing needs a real tokenizer)
 
 
+class WordTools:
+    """envs.Tools' place on a word-level tokenizer (EnvDriver's `make`): a row's own word in `calls` is a call, one in
+    `errors` a call answered with an error; the reply is the text `reply`, framed by the chat template; past max_calls
+    a call gets an error reply too (and counts as one)."""
+
+    turn_chars = None  # any word may be a call
+
+    def __init__(self, max_calls=4, calls=("w5",), errors=("w7",), reply="w2"):
+        self.max_calls, self.calls, self.errors, self.reply = max_calls, set(calls), set(errors), reply
+
+    def __call__(self):
+        return WordToolEnv(self)
+
+
 class WordToolEnv:
-    """tools.ToolEnv's interface (reset, step, render, calls, errors) and step semantics on a word-level tokenizer:
-    a row's own token in `calls` is a call, one in `errors` a call answered with an error; either way the reply, the
-    words `reply` (`<|im_end|>` among them: a reply's end of turn is no stop), is fed one a step from the next step
-    on; a call made with max_calls already made ends the row (`end`), with no reply."""
+    def __init__(self, spec):
+        self.spec = spec
 
-    def __init__(self, tokenizer, max_calls=4, calls=("w5",), errors=("w7",), reply=("w2", "<|im_end|>", "w4")):
-        ids = tokenizer.convert_tokens_to_ids
-        self.max_calls, self.reply = max_calls, ids(list(reply))
-        self.call_ids, self.error_ids = set(ids(list(calls))), set(ids(list(errors)))
-        self.reset(0)
+    def reset(self, example):
+        self.calls, self.errors = 0, 0
 
-    def render(self, messages):
-        return messages, {}
+    def ends_turn(self, text, stopped):
+        words = text.split()
+        return not stopped and bool(words) and words[-1] in self.spec.calls | self.spec.errors
 
-    def reset(self, n_rows):
-        self._queue = [[] for _ in range(n_rows)]  # reply ids still to feed, per row
-        self.calls = torch.zeros(n_rows, dtype=torch.long)  # (N,)
-        self.errors = torch.zeros(n_rows, dtype=torch.long)  # (N,)
+    def turn(self, text, stopped):
+        error = text.split()[-1] in self.spec.errors or self.calls >= self.spec.max_calls
+        self.calls, self.errors = self.calls + 1, self.errors + error
+        return self.spec.reply, False
 
-    def step(self, tok, done):
-        ids, N = tok.tolist(), tok.numel()
-        is_env, end = [False] * N, [False] * N
-        for i, stopped in enumerate(done.tolist()):
-            if stopped:
-                continue
-            if self._queue[i]:
-                ids[i], is_env[i] = self._queue[i].pop(0), True
-            elif ids[i] in self.call_ids | self.error_ids:
-                end[i] = bool(self.calls[i] >= self.max_calls)
-                if not end[i]:
-                    self._queue[i] = list(self.reply)
-                    self.calls[i] += 1
-                    self.errors[i] += ids[i] in self.error_ids
-        return tok.new_tensor(ids), torch.tensor(is_env, device=tok.device), torch.tensor(end, device=tok.device)
+    def state(self):
+        return {"tool_calls": self.calls, "tool_errors": self.errors}
+
+
+def word_tools(tokenizer, max_calls=4, max_reply_tokens=64, **_):
+    import envs
+
+    return envs.EnvDriver(WordTools(max_calls), tokenizer, max_reply_tokens)
 
 
 # the toy task, its rows calling WordToolEnv on w5 (w7: an error); TASKS["toy_tool"] in toy_train.py
-TOOL_TASK = TASK._replace(tools=WordToolEnv)
+TOOL_TASK = TASK._replace(tools=word_tools)

@@ -16,7 +16,7 @@ import toy  # noqa: E402
 from tasks import TASKS  # noqa: E402
 
 TASKS["toy"] = toy.TASK
-TASKS["toy_tool"] = toy.TOOL_TASK  # the toy task with a stub tool (toy.WordToolEnv)
+TASKS["toy_tool"] = toy.TOOL_TASK  # the toy task with a stub tool (toy.WordTools)
 sys.argv[0] = os.path.join(toy.REPO, "train.py")
 g = runpy.run_path(sys.argv[0], run_name="__main__")
 if os.environ.get("TOY_DUMP_PARAMS"):
