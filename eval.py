@@ -70,7 +70,9 @@ def load_checkpoint_model(path, device, dtype, merge=True):
     adapters are merged into its fp32 base (merge=False: the peft model, fp32); an --fsdp run's DCP shards
     are read by this one process."""
     path, ckpt = run.load_checkpoint(path)  # ValueError in one line when missing, unreadable or unsafe
-    cfg, cpu, rank = ckpt["config"], torch.device("cpu"), ckpt["config"].get("lora_rank", 0)
+    cfg = ckpt["config"]
+    cpu = torch.device("cpu")
+    rank = cfg.get("lora_rank", 0)
     if "dcp" in ckpt:  # an --fsdp run: fp32 master weights, sharded
         import scale
 

@@ -51,7 +51,8 @@ def _evaluate(a, op1, b, op2, c):  # a op1 b op2 c with the usual precedence: `*
 def load_arith_steps(split, data_dir=None, n=None, ops=ARITH_OPS, seed=0):
     """n distinct problems {"question": "What is 3 + 4 * 2 - 5?", "answer": "6"}: three one-digit operands, two
     operators from `ops`, answers may be negative; 1,000 * len(ops)**2 problems split and n as in load_arith."""
-    n, ops = check_generated(split, ops, n, data_dir), sorted(set(ops))
+    n = check_generated(split, ops, n, data_dir)
+    ops = sorted(set(ops))
     space = [(a, o1, b, o2, c) for o1 in ops for o2 in ops for a in range(10) for b in range(10) for c in range(10)]
     return [
         {"question": "What is {} {} {} {} {}?".format(*p), "answer": str(_evaluate(*p))}

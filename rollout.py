@@ -137,9 +137,11 @@ def sample(
     dropped from the Rollout: a row's tokens do not depend on how long its environment took."""
     if group_size < 1 or max_new_tokens < 1 or not temperature >= 0:
         raise ValueError(f"need G, max_new_tokens >= 1, temperature >= 0: {group_size, max_new_tokens, temperature}")
-    was_training, G = model.training, group_size
+    G = group_size
+    was_training = model.training
     model.eval()  # no dropout, and HF drops the KV cache in train mode under gradient checkpointing
-    device, pad_id = next(model.parameters()).device, stop_ids[0]  # any pad id works: padding is masked everywhere
+    device = next(model.parameters()).device
+    pad_id = stop_ids[0]  # any pad id works: padding is masked everywhere
     if env is not None:
         prompts = env.reset(examples or [{}] * len(prompts), prompts, G)
     seqs = encode_prompts(tokenizer, prompts, env)
@@ -150,7 +152,8 @@ def sample(
     # one uniform per row and budget token, drawn up front (per prompt when given a generator per prompt)
     gens, rows = (generator, G) if isinstance(generator, (list, tuple)) else ([generator], N)
     u = torch.cat([torch.rand(rows, max_new_tokens, generator=g, device=g and g.device) for g in gens]).to(device)
-    stop, done = torch.as_tensor(stop_ids, device=device), torch.zeros(N, dtype=torch.bool, device=device)
+    stop = torch.as_tensor(stop_ids, device=device)
+    done = torch.zeros(N, dtype=torch.bool, device=device)  # (N,) a row that stopped or used its budget
     used = torch.zeros(N, dtype=torch.long, device=device)  # (N,) budget used: own tokens and replies fed
     cols = []  # per step: token, log-prob, own, reply (N,) each
     cache = _Cache(config=model.config)
@@ -170,7 +173,8 @@ def sample(
                 ut = u.gather(1, used[:, None].clamp(max=max_new_tokens - 1)).squeeze(1)  # (N,) by the row's own count
                 tok = sample_from_logits(scaled, ut) if temperature else scaled.argmax(-1)  # (N,)
                 own, tok = ~done, tok.masked_fill(done, pad_id)  # (N,)
-                reply, end = torch.zeros_like(done), torch.isin(tok, stop) & own
+                reply = torch.zeros_like(done)  # (N,) a row fed an environment's reply token
+                end = torch.isin(tok, stop) & own  # (N,) a row whose turn ends here
                 if env is not None:  # a row in a reply takes the reply's next token; a waiting row a hole
                     tok, own, reply, end = env.step(tok, done, end, used == max_new_tokens - 1)
                 fed = own | reply  # (N,)
@@ -194,7 +198,8 @@ def sample(
     last = (own.long() * torch.arange(tokens.size(1), device=device)).argmax(1)  # (N,) each row's last own token
     truncated = ~is_stop.gather(1, last[:, None]).squeeze(1)  # (N,) ended without a stop token
     completions = own_text(tokenizer, tokens, own & ~is_stop, reply)
-    trajectories, states = completions, None
+    trajectories = completions
+    states = None
     if env is not None:  # the conversation as the template writes it, the row's final stop token left out
         ends = (own | reply).sum(1) - (~truncated).long()  # (N,)
         trajectories = [tokenizer.decode(row[:n], skip_special_tokens=False) for row, n in zip(tokens.tolist(), ends)]
@@ -304,7 +309,9 @@ def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False,
 
 def _check_outer(model):
     """Refuse what only model(...) would run, rather than compute something else without it."""
-    name, cfg, c = type(model).__name__, getattr(model, "active_peft_config", None), model.config
+    name = type(model).__name__
+    cfg = getattr(model, "active_peft_config", None)
+    c = model.config
     where = "which the log-prob pass does not run (it calls model.get_decoder() and the lm_head module)"
     if (model._forward_hooks or model._forward_pre_hooks) and not hasattr(model, "unshard"):  # FSDP2's own
         raise ValueError(f"{name} has a forward hook on the whole model, {where}: register it on those")
@@ -397,7 +404,8 @@ def sharing_problem(model, dtype=None):
         return "gradient checkpointing: transformers drops the KV cache in training"
     device = next(model.parameters()).device
     ids = torch.tensor([[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8]], device=device) % model.config.vocab_size
-    mask, was_training = torch.ones_like(ids), model.training
+    mask = torch.ones_like(ids)
+    was_training = model.training
     try:
         with torch.no_grad(), _autocast(model, dtype):
             model.eval()

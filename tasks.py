@@ -147,7 +147,9 @@ def load_arith(split, data_dir=None, n=None, digits=ARITH_DIGITS, ops=ARITH_OPS,
     n = check_generated(split, ops, n, data_dir)
     if digits < 1:
         raise ValueError(f"digits must be >= 1, got {digits}")
-    rng, ops, hi = random.Random(seed), sorted(set(ops)), 10**digits - 1
+    rng = random.Random(seed)
+    ops = sorted(set(ops))
+    hi = 10**digits - 1  # the largest operand
     if len(ops) * (hi + 1) ** 2 <= 100_000:  # small space: enumerate it, so the cap is exact
         space = [(a, op, b) for op in ops for a in range(hi + 1) for b in range(hi + 1) if not (op == "-" and a < b)]
         problems = sample_split(space, split, n, rng)
@@ -210,7 +212,9 @@ def evaluate(
     env = task.tools(tokenizer) if task.tools and env is None else env
     stops = stop_token_ids(tokenizer, model)
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    per_batch, records, correct = max(1, batch_size // n), [], []  # correct: how many of an example's n are right
+    per_batch = max(1, batch_size // n)
+    records = []
+    correct = []  # how many of an example's n are right
     with tqdm(total=len(examples), desc="eval", unit="problem", disable=not progress, leave=False) as bar:
         for i in range(0, len(examples), per_batch):
             batch = examples[i : i + per_batch]
@@ -248,10 +252,14 @@ def evaluate(
                     }
                 )
             bar.update(len(batch))
-    m, names = max(len(records), 1), {"strict": "strict_acc", "flexible": "flexible_acc", "format": "format_rate"}
-    names.update({k: k for k in (states[0] if records else {})})  # the environments' states, averaged
-    names.update({"called": "tool_call_rate"} if "called" in names else {})
-    names.update({"score": "score"} if records and "score" in records[0] else {})  # a partial-credit mean
+    m = max(len(records), 1)
+    names = {"strict": "strict_acc", "flexible": "flexible_acc", "format": "format_rate"}
+    if records:  # the environments' states, averaged
+        names.update({k: k for k in states[0]})
+    if "called" in names:
+        names["called"] = "tool_call_rate"
+    if records and "score" in records[0]:  # a partial-credit mean
+        names["score"] = "score"
     summary = {"n_examples": len(records), **{name: sum(r[k] for r in records) / m for k, name in names.items()}}
     for source in sorted({r["source"] for r in records if "source" in r}):  # a mix: which task moved
         mine = [r["strict"] for r in records if r.get("source") == source]

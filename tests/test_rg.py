@@ -81,7 +81,7 @@ def test_evaluate_reports_each_sources_strict_accuracy():
     def sample(model, tokenizer, prompts, n, *a, **k):  # every third question answered right, the rest wrong
         gold = {ex["question"]: ex["answer"] for ex in examples}
         outs = [f"<answer>{gold[p[-1]['content']]}</answer>" if p[-1]["content"] in right else "x" for p in prompts]
-        return type("R", (), {"completions": outs, "tool_calls": tasks.torch.zeros(len(outs))})
+        return type("R", (), {"completions": outs, "env_state": [{} for _ in outs]})
 
     mp = pytest.MonkeyPatch()
     mp.setattr(tasks, "sample", sample)
