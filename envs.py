@@ -596,7 +596,7 @@ def _describe(conf):
     nproc = limits.get("RLIMIT_NPROC", "unbounded")
     parts = [
         f"python sandbox: a fresh interpreter, rlimits (cpu, {limits['RLIMIT_AS'] >> 20} MiB memory, "
-        f"{limits['RLIMIT_FSIZE'] >> 20} MiB files, processes {nproc}), own session, scrubbed env"
+        f"{limits['RLIMIT_FSIZE'] >> 20} MiB files, processes {nproc}), own process group, scrubbed env"
     ]
     if conf["uid"] is not None:
         parts.append("a fresh uid per call")
@@ -607,7 +607,7 @@ def _describe(conf):
     if not conf["ns"]:
         parts.append("network NOT cut")
     if not conf["ns"] and conf["uid"] is None:  # only its process group is killed
-        parts.append("a process that leaves its session may outlive the call")
+        parts.append("a process that leaves its process group may outlive the call")
     if not conf["landlock"]:
         parts.append("writes NOT confined beyond file permissions")
     if not (conf["ns"] and conf["landlock"]):
@@ -686,7 +686,7 @@ def _status(info):
 def _kill(proc, conf):
     """Everything the call started, ended before the reply. With namespaces: its init killed, then the wrapper (which
     waits for it) reaped: the kernel ends an init only once every other process of its namespace has ended. Then its
-    session's group; without namespaces, every process of its uid, until none is left."""
+    process group; without namespaces, every process of its uid, until none is left."""
     kids = []
     if conf["ns"]:
         try:
