@@ -183,7 +183,10 @@ def sample(
                 done |= end | (used == max_new_tokens)
                 if bool(done.all()):
                     break
-                mask, pos = torch.cat([mask, fed[:, None].long()], 1), pos + fed[:, None]  # (N, P+t+1), (N, 1)
+                # a stopped row keeps mask 1 (padding to the trainer): the batch's masks, and so every row's bf16
+                # attention numerics, are those of a run without environments
+                seen = fed | done
+                mask, pos = torch.cat([mask, seen[:, None].long()], 1), pos + seen[:, None]  # (N, P+t+1), (N, 1)
                 out = model(
                     input_ids=tok[:, None], attention_mask=mask, position_ids=pos, **cached, use_cache=True
                 ).logits[:, -1]  # (N, V)
