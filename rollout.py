@@ -21,8 +21,8 @@ class Rollout:
     prompt_ids: torch.Tensor  # (N, P) left-padded prompt tokens, N = num_prompts * G
     prompt_mask: torch.Tensor  # (N, P) 1 on real prompt tokens
     completion_ids: torch.Tensor  # (N, C) the trajectory: sampled tokens (and tool replies), pad after the stop
-    completion_mask: torch.Tensor  # (N, C) 1 on the model's own tokens, up to and including the first stop token
-    truncated: torch.Tensor  # (N,) bool: ended without a stop token (max_new_tokens, or the tool call limit)
+    completion_mask: torch.Tensor  # (N, C) 1 on the model's own tokens, each turn's stop token included
+    truncated: torch.Tensor  # (N,) bool: its last own token is no stop token (it ran out of max_new_tokens)
     completions: list  # N strings: the model's own words (its sampled tokens only), turns joined by a newline
     sample_logp: torch.Tensor  # (N, C) log-probs at sampling time (temperature applied), 0 off completion_mask
     prompt_cut: torch.Tensor  # (N,) bool: the prompt was cut from the left to max_prompt_tokens
