@@ -4,6 +4,7 @@ Benchmark one GRPO step of train.py, optionally side by side with TRL's GRPOTrai
     python bench.py                       # our loop: per-phase times, tokens/s, peak RSS
     python bench.py --vs-trl --rounds 3   # + TRL GRPOTrainer (pip install trl==1.16.0), in turn, median ratios
     python bench.py --vs-trl --trl-one-pass  # + TRL with all 16 completions in one pass, as a labelled extra row
+    python bench.py --vs-trl --rev A --rev B  # ours from commits A and B (one row each) and TRL, in turn
     python bench.py --decode              # only the decode step against its matmuls alone (also printed by the above)
     python bench.py --grid                # cost growth: group size 4/8/16, max new tokens 64/128/256
     python bench.py --compile             # torch.compile of the training forward: eager vs compiled, 80-step projection
@@ -90,7 +91,16 @@ p.add_argument(
     help="ours: the reference model's device (e.g. cpu: off the GPU; the "
     "GPU's peak memory is printed where there is one)",
 )
+p.add_argument(
+    "--rev",
+    action="extend",
+    nargs="+",
+    default=[],
+    help="ours from this git revision (a `git archive` of it in a temporary folder) instead of the working tree; "
+    "several (--rev A B, or --rev A --rev B): one row each, every revision and TRL in turn in each round",
+)
 p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
+p.add_argument("--src", default=HERE, help=argparse.SUPPRESS)
 p.add_argument("--out", default=None, help=argparse.SUPPRESS)
 args = p.parse_args()
 if not args.child:  # every number's range; a flag of another mode is no flag here
@@ -109,6 +119,8 @@ if not args.child:  # every number's range; a flag of another mode is no flag he
     )
     if (args.rounds > 1 or args.trl_one_pass) and not args.vs_trl:
         p.error("--rounds and --trl-one-pass compare against TRL: add --vs-trl or drop them")
+    if args.rev and (args.grid or args.compile or args.decode):
+        p.error("--rev picks the code of the step benchmark's rows: drop --grid, --compile and --decode with it")
 if args.dtype == "auto":  # resolved here, so that TRL's side runs in the same dtype as ours
     from models import resolve_device, resolve_dtype
 
@@ -118,7 +130,7 @@ if (args.prompts_per_step * args.group_size) % args.micro_batch:
 
 
 def ours_child(out):
-    """Run train.py in this process; its metrics.jsonl gives the per-phase times."""
+    """Run --src's train.py in this process; its metrics.jsonl gives the per-phase times."""
     sys.argv = (
         [
             "train.py",
@@ -167,7 +179,9 @@ def ours_child(out):
         + (["--data-dir", args.data_dir] if args.data_dir else [])
         + (["--ref-device", args.ref_device] if args.ref_device else [])
     )
-    runpy.run_path(os.path.join(HERE, "train.py"), run_name="__main__")
+    sys.path.insert(0, args.src)  # train.py imports --src's modules: bench's own `run` is dropped
+    sys.modules.pop("run")
+    runpy.run_path(os.path.join(args.src, "train.py"), run_name="__main__")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     keys = ("t_step", "t_generate", "t_reference", "t_train", "completion_len", "prompt_len", "loss")
     return [{k: r[k] for k in keys} for r in rows]
@@ -334,23 +348,51 @@ if args.child:  # one side, in its own process, so its peak RSS is its own
     sys.exit(0)
 
 
-def run_side(name, **over):
-    """One side in a fresh process -> (medians of the timed steps, peak RSS GiB, all rows)."""
+def cpu_seconds():
+    """(CPU seconds every process has used, from Linux's /proc/stat, else None; those of this process's children)."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    try:
+        v = [int(x) for x in open("/proc/stat").readline().split()[1:]]  # user nice system idle iowait ...
+    except OSError:
+        return None, ru.ru_utime + ru.ru_stime
+    return (sum(v) - v[3] - v[4]) / os.sysconf("SC_CLK_TCK"), ru.ru_utime + ru.ru_stime
+
+
+def run_side(name, src=HERE, **over):
+    """One side in a fresh process -> (medians of the timed steps, peak RSS GiB, all rows, the other processes'
+    load meanwhile in busy cores: another job on a shared machine slows a side, see it here)."""
     fd, out = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in over.items()]
     cmd = (
-        [sys.executable, __file__, "--child", name, "--out", out]
+        [sys.executable, __file__, "--child", name, "--out", out, "--src", src]
         + [a for a in sys.argv[1:] if a not in ("--vs-trl", "--grid")]
         + flags
     )
+    (all0, own0), t0 = cpu_seconds(), time.time()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL if name == "trl" else None)
+    (all1, own1), wall = cpu_seconds(), time.time() - t0
+    others = None if all0 is None else max(0.0, (all1 - all0) - (own1 - own0)) / wall
     res = json.load(open(out))
     timed = res["rows"][1:] or res["rows"]  # drop the warm-up step
     med = {k: statistics.median(r[k] for r in timed) for k in timed[0]}
     if res.get("gpu_peak_gib") is not None:
         print(f"{name}: the GPU's peak memory {res['gpu_peak_gib']:.2f} GiB (--ref-device {args.ref_device})")
-    return med, res["peak_rss_gib"], res["rows"]
+    return med, res["peak_rss_gib"], res["rows"], others
+
+
+def checkout(rev):
+    """A git revision of this repository as files in a temporary folder -> (its short id, the folder)."""
+    git = ["git", "-C", HERE]
+    sha = subprocess.run(
+        [*git, "rev-parse", "--short", "--verify", f"{rev}^{{commit}}"], capture_output=True, text=True
+    )
+    if sha.returncode:
+        p.error(f"--rev {rev}: not a commit of {HERE} (git log --oneline lists them)")
+    folder = tempfile.mkdtemp(prefix=f"bench-{sha.stdout.strip()}-")
+    files = subprocess.run([*git, "archive", sha.stdout.strip()], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", folder], input=files, check=True)
+    return sha.stdout.strip(), folder
 
 
 def matmul_gflops(dtype, n=10):
@@ -457,7 +499,7 @@ if args.grid:  # cost growth, one side at a time: G at 128 tokens, then tokens a
     print("|---|---|---|---|---|---|---|---|")
     for side, pts in [("ours", points)] + ([("trl", trl_points)] if args.vs_trl else []):
         for pt in pts:
-            med, peak, _ = run_side(side, **pt)
+            med, peak, _, _ = run_side(side, **pt)
             print(
                 f"| {side} | {pt['group_size']} | {pt['max_new_tokens']} | {fmt(med['t_step'])} | "
                 f"{fmt(med.get('t_generate'))} | {fmt(med.get('t_train'))} | {med['completion_len']:.0f} | "
@@ -466,45 +508,53 @@ if args.grid:  # cost growth, one side at a time: G at 128 tokens, then tokens a
             )
     sys.exit(0)
 
-ratios = []  # (step time, peak RSS, per-token step time) ours / TRL, one per round
+ours = [(f"ours @ {sha}", folder) for sha, folder in map(checkout, args.rev)] or [("ours", HERE)]
+ratios = {name: [] for name, _ in ours}  # (step time, peak RSS, per-token step time) ours / TRL, one per round
 for rnd in range(args.rounds if args.vs_trl else 1):
-    results = {f"ours, micro-batch {args.micro_batch}": run_side("ours")}
+    results = {f"{name}, micro-batch {args.micro_batch}": run_side("ours", src) for name, src in ours}
     if args.vs_trl:
-        results[f"TRL, micro-batch {args.micro_batch}"] = run_side("trl")
+        trl = results[f"TRL, micro-batch {args.micro_batch}"] = run_side("trl")
     if args.vs_trl and args.trl_one_pass:  # TRL's own default batch shape, beside: not in the ratios
         N = args.prompts_per_step * args.group_size
         results[f"TRL, one pass of {N} (not the same micro-batch)"] = run_side("trl", micro_batch=N)
     print(f"\n{time.strftime('%H:%M UTC', time.gmtime())}, round {rnd + 1}")
-    print("\n| side | step s | generate s | reference s | train s | gen tok/s | mean completion len | peak RSS GiB |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, (med, peak, _) in results.items():
+    print(
+        "\n| side | step s | generate s | reference s | train s | gen tok/s | mean completion len | peak RSS GiB "
+        "| other processes' load (cores) |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    for name, (med, peak, _, others) in results.items():
         n_tok = med["completion_len"] * args.prompts_per_step * args.group_size
         g = med.get("t_generate")
         print(
             f"| {name} | {fmt(med['t_step'])} | {fmt(g)} | {fmt(med.get('t_reference'))} | "
-            f"{fmt(med.get('t_train'))} | {fmt(g and n_tok / g, '.0f')} | {med['completion_len']:.0f} | {peak:.2f} |"
+            f"{fmt(med.get('t_train'))} | {fmt(g and n_tok / g, '.0f')} | {med['completion_len']:.0f} | {peak:.2f} "
+            f"| {fmt(others, '.2f')} |"
         )
     from transformers import AutoConfig  # noqa: E402
     from models import resolve_model  # noqa: E402
 
-    med = results[f"ours, micro-batch {args.micro_batch}"][0]
     peak = matmul_gflops(getattr(torch, args.dtype))
-    flops = step_flops(
-        AutoConfig.from_pretrained(resolve_model(args.model)),
-        args.prompts_per_step,
-        args.group_size,
-        med["prompt_len"],
-        med["completion_len"],
-        args.micro_batch,
-    )
     print(f"\nours against a FLOP estimate ({args.dtype} matmul: {peak:.0f} GFLOP/s on this machine)\n")
-    print("| phase | estimated GFLOP | at the matmul rate s | measured s | share of the matmul rate |")
-    print("|---|---:|---:|---:|---:|")
-    for k, f in flops.items():
-        print(f"| {k[2:]} | {f / 1e9:.0f} | {f / 1e9 / peak:.1f} | {med[k]:.1f} | {f / 1e9 / peak / med[k]:.0%} |")
-    if args.vs_trl:
-        (o, po, _), (t, pt, _) = list(results.values())[:2]  # the same micro-batch on both sides
-        ratios.append(
+    print("| side | phase | estimated GFLOP | at the matmul rate s | measured s | share of the matmul rate |")
+    print("|---|---|---:|---:|---:|---:|")
+    for name, _ in ours:
+        med = results[f"{name}, micro-batch {args.micro_batch}"][0]
+        flops = step_flops(
+            AutoConfig.from_pretrained(resolve_model(args.model)),
+            args.prompts_per_step,
+            args.group_size,
+            med["prompt_len"],
+            med["completion_len"],
+            args.micro_batch,
+        )
+        for k, f in flops.items():
+            print(
+                f"| {name} | {k[2:]} | {f / 1e9:.0f} | {f / 1e9 / peak:.1f} | {med[k]:.1f} "
+                f"| {f / 1e9 / peak / med[k]:.0%} |"
+            )
+    for name, _ in ours if args.vs_trl else []:  # the same micro-batch on both sides
+        (o, po, _, _), (t, pt, _, _) = results[f"{name}, micro-batch {args.micro_batch}"], trl
+        ratios[name].append(
             (
                 o["t_step"] / t["t_step"],
                 po / pt,
@@ -512,14 +562,14 @@ for rnd in range(args.rounds if args.vs_trl else 1):
             )
         )
         print(
-            f"\nours / TRL at micro-batch {args.micro_batch} on both sides: "
-            "step time {:.2f}x, peak RSS {:.2f}x, per-token step time {:.2f}x".format(*ratios[-1])
+            f"\n{name} / TRL at micro-batch {args.micro_batch} on both sides: "
+            "step time {:.2f}x, peak RSS {:.2f}x, per-token step time {:.2f}x".format(*ratios[name][-1])
         )
-if len(ratios) > 1:
+for name, rs in ratios.items() if args.rounds > 1 else []:
     print(
-        f"\nmedian over {len(ratios)} rounds, micro-batch {args.micro_batch} on both sides: "
+        f"\n{name}, median over {len(rs)} rounds, micro-batch {args.micro_batch} on both sides: "
         "step time {:.2f}x, peak RSS {:.2f}x, per-token step time {:.2f}x".format(
-            *(statistics.median(r[i] for r in ratios) for i in range(3))
+            *(statistics.median(r[i] for r in rs) for i in range(3))
         )
     )
 decode_vs_gemm(DECODE_ROWS)  # the decode step's gap to its own matmuls, on this CPU
