@@ -283,6 +283,37 @@ def micro_batches(r, size):
 
 
 # --- teacher-forced log-probs
+class TokenLogp(torch.autograd.Function):
+    """Log-prob of targets t (n,) under fp32 logits z (n, V), already transformed (temperature, top-k ...), and the
+    entropy: log p_t = z_t - logZ, H = logZ - E_p[z]. Backward, one read of z: d log p_t / dz = onehot(t) - p and
+    dH / dz = -p (z - E_p[z]), an output only logged costs nothing; a -inf logit (p = 0) gets 0, not nan. logZ and
+    E_p[z] stay on ctx, so a checkpoint's recompute needs only z. TokenLogp.apply(z, t, with_entropy) -> (n,) x 2"""
+
+    @staticmethod
+    def forward(ctx, z, t, with_entropy):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(z, t)
+        m = z.amax(-1, keepdim=True)  # (n, 1)
+        d = z - m  # (n, V)
+        e = d.exp()  # (n, V)
+        s = e.sum(-1)  # (n,)
+        ctx.logz, ctx.ez = m.squeeze(1) + s.log(), None  # (n,)
+        if with_entropy:  # E_p[z] = m + sum_v e_v d_v / s, a -inf d (e = 0) counting 0
+            ctx.ez = m.squeeze(1) + e.mul_(d.clamp_(min=torch.finfo(d.dtype).min)).sum(-1) / s
+        logp = z.gather(1, t[:, None]).squeeze(1) - ctx.logz
+        return logp, None if ctx.ez is None else ctx.logz - ctx.ez
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        z, t = ctx.saved_tensors
+        g = torch.zeros_like(ctx.logz) if g_logp is None else g_logp  # (n,)
+        p = (z - ctx.logz[:, None]).exp_()  # (n, V)
+        w = -g[:, None]  # (n, 1), with the entropy (n, V): -g_logp - g_ent (z - E_p[z])
+        if g_ent is not None:
+            w = torch.where(p > 0, z - ctx.ez[:, None], 0.0).mul_(-g_ent[:, None]).add_(w)
+        return p.mul_(w).scatter_add_(1, t[:, None], g[:, None]), None, None
+
+
 def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False, ref=None):
     """Log-prob of each target under the `lm_head` module: hidden (n, H), targets (n,) -> logp, entropy or None, kl or
     None (n,). A chunk's (chunk, V) logits are made, used and checkpointed (backward reruns the head): no (n, V) tensor.
@@ -291,9 +322,7 @@ def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False,
 
     def chunk(h, t, h_ref):
         z = lm_head(h).float() / temperature  # (n_c, V)
-        logz = z.logsumexp(-1)  # (n_c,)
-        logp = z.gather(-1, t[:, None]).squeeze(-1) - logz
-        ent = logz - (z - logz[:, None]).exp().mul(z).sum(-1) if with_entropy else None  # H = logZ - E_p[z]
+        logp, ent = TokenLogp.apply(z, t, with_entropy)  # (n_c,) each
         if h_ref is None:
             return logp, ent, None
         with torch.no_grad():
