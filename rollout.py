@@ -114,6 +114,13 @@ def _autocast(model, dtype):
     return torch.autocast(p.device.type, dtype=dtype, enabled=dtype not in (None, p.dtype, torch.float32))
 
 
+def cast_once(device):
+    """A block in which autocast casts each weight once: its cache of casts lasts until the outermost autocast context
+    ends, and this one, disabled, is outermost around each micro-batch's autocast context and backward (which so run
+    as they would alone). The optimizer step, which changes the weights, comes after the block."""
+    return torch.autocast(device.type, enabled=False)
+
+
 @torch.no_grad()
 def sample(
     model,

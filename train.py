@@ -365,36 +365,39 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     first_logp = torch.zeros(N, C, device=device)
     skip = num_sequences.item() == 0
     for it in range(0 if skip else args.mu):  # skip: no group with a reward spread, nothing to learn
-        for j, (rows, ids, mask, c) in enumerate(rollout.micro_batches(r, args.micro_batch)):
-            kl_ref = (ref.get_output_embeddings(), ref_out[j]) if full_kl else None  # the full KL's reference
-            with autocast:  # entropy is always logged; it enters the loss only through --entropy-* flags
-                logp, entropy, kl = rollout.token_logprobs(policy, ids, mask, c, args.temperature, True, kl_ref, share)
-            m = loss_mask[rows, :c]
-            old = None if old_logp is None else old_logp[rows, :c]
-            ref_logp = None if ref is None or full_kl else ref_out[rows, :c]
-            # the sampler's numerics differ from the trainer's: reweight the policy term (truncated IS)
-            w, w_stats = grpo.behaviour_weights(
-                logp.detach() if old is None else old, r.sample_logp[rows, :c], m, args.is_mode, args.is_cap
-            )
-            loss, metrics = grpo.grpo_loss(
-                logp,
-                old,
-                ref_logp,
-                adv[rows, :c].expand(-1, c),
-                m,
-                obj,
-                entropy=entropy,
-                kl=kl,
-                behaviour_weights=w,
-                num_sequences=num_sequences,
-                num_tokens=num_tokens,
-            )
-            scaler.scale(loss).backward()
-            if it == 0:
-                first_logp[rows, :c] = logp.detach()
-                metrics["is_capped"] = w_stats["is_capped"]
-            for k, v in {**metrics, "loss": loss.detach()}.items():
-                stats.setdefault(k, []).append(v.float())
+        with rollout.cast_once(device):  # each weight cast to bf16 once for the micro-batches
+            for j, (rows, ids, mask, c) in enumerate(rollout.micro_batches(r, args.micro_batch)):
+                kl_ref = (ref.get_output_embeddings(), ref_out[j]) if full_kl else None  # the full KL's reference
+                with autocast:  # entropy is always logged; it enters the loss only through --entropy-* flags
+                    logp, entropy, kl = rollout.token_logprobs(
+                        policy, ids, mask, c, args.temperature, True, kl_ref, share
+                    )
+                m = loss_mask[rows, :c]
+                old = None if old_logp is None else old_logp[rows, :c]
+                ref_logp = None if ref is None or full_kl else ref_out[rows, :c]
+                # the sampler's numerics differ from the trainer's: reweight the policy term (truncated IS)
+                w, w_stats = grpo.behaviour_weights(
+                    logp.detach() if old is None else old, r.sample_logp[rows, :c], m, args.is_mode, args.is_cap
+                )
+                loss, metrics = grpo.grpo_loss(
+                    logp,
+                    old,
+                    ref_logp,
+                    adv[rows, :c].expand(-1, c),
+                    m,
+                    obj,
+                    entropy=entropy,
+                    kl=kl,
+                    behaviour_weights=w,
+                    num_sequences=num_sequences,
+                    num_tokens=num_tokens,
+                )
+                scaler.scale(loss).backward()
+                if it == 0:
+                    first_logp[rows, :c] = logp.detach()
+                    metrics["is_capped"] = w_stats["is_capped"]
+                for k, v in {**metrics, "loss": loss.detach()}.items():
+                    stats.setdefault(k, []).append(v.float())
         grad_norm, lr = update(stats["loss"][-(N // args.micro_batch) :], step)
     if skip:
         grad_norm, lr = torch.tensor(0.0), optimizer.param_groups[0]["lr"]

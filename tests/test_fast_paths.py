@@ -1,16 +1,24 @@
-"""The training pass's shortcuts against the plain expressions they stand for.
+"""The training pass's two shortcuts against the plain expressions they stand for.
 
 rollout.TokenLogp: the log-prob of the sampled token and the entropy from a chunk's logits in one read, with a
 hand-written backward (onehot - p; -p (z - E_p[z])) instead of log_softmax, gather and their autograd. Compared
 with autograd of the plain expression in fp32 and fp64; both compute the same sums in another order, a few eps of
 the tensor's largest value (conftest.assert_close_scaled), scaled to each dtype's eps.
+
+rollout.cast_once: around the micro-batches of an optimizer step, autocast casts each weight once, not once per
+micro-batch and again in each checkpointed recompute. The casts are the same roundings of the same fp32 weights, and
+each backward still runs through one cast per weight, so values and gradients equal autocast per micro-batch's; the
+sums of a tied weight's gradients (embedding and head) may come in another order: a few eps (conftest's GRADS).
 """
+
+import importlib.util
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import rollout
-from conftest import GRADS, VALUES, assert_close_scaled
+from conftest import GRADS, VALUES, assert_close_scaled, tiny
 
 EPS = {torch.float32: torch.finfo(torch.float32).eps, torch.float64: torch.finfo(torch.float64).eps}
 
@@ -69,3 +77,107 @@ def test_token_logp_with_top_k_masked_logits_stays_finite_and_exact():
     assert_close_scaled(ent, want_ent)
     assert_close_scaled(got, want, GRADS)
     assert (got.abs() > 0).sum(1).max() <= 8 and want.abs().max() > 0.1  # masked logits: gradient 0
+
+
+# -----------------------------------------------------------------------------
+# cast_once
+
+
+def lora_model():
+    import scale
+
+    model = scale.add_lora(tiny("llama").train(), 4)
+    g = torch.Generator().manual_seed(7)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # peft starts B at 0, where the adapter adds nothing
+            p.data.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def fp32_mlp(model):
+    """A fork's edit: layer 1's MLP computes in fp32 with autocast off (as some routers do), its down_proj too."""
+    mlp = model.model.layers[1].mlp
+
+    def forward(x):
+        with torch.autocast("cpu", enabled=False):
+            x = x.float()
+            return mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+
+    mlp.forward = forward
+    return model
+
+
+MODELS = {
+    "llama": lambda: tiny("llama").train(),  # tied head: the embedding's weight also feeds the head's matmul
+    "qwen2": lambda: tiny("qwen2").train(),  # q/k/v biases, untied head
+    "lora": lora_model,  # fp32 adapters beside the frozen fp32 base
+    "fp32_mlp": lambda: fp32_mlp(tiny("llama").train()),
+}
+needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="needs peft: pip install peft")
+
+
+def batches(seed=0, N=6, P=5, C=7, micro=2):
+    """Micro-batches (ids, mask (micro, P+C)) of random rows, completions of random lengths."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(5, 98, (N, P + C), generator=g)
+    mask = (torch.arange(P + C) < P + torch.randint(1, C + 1, (N, 1), generator=g)).long()  # (N, P+C)
+    return [(ids[i : i + micro], mask[i : i + micro]) for i in range(0, N, micro)], C
+
+
+def train_pass(model, once, steps=2):
+    """train.py's loop in bf16, mu = `steps`: each micro-batch's log-probs under autocast, its backward, then an SGD
+    step; once: the micro-batches in rollout.cast_once -> log-probs, gradients, the graph's cast nodes per weight."""
+    mbs, C = batches()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=0.5)
+    out, casts = [], []
+    for _ in range(steps):
+        with rollout.cast_once(torch.device("cpu")) if once else torch.enable_grad():
+            for ids, mask in mbs:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    logp, ent, _ = rollout.token_logprobs(model, ids, mask, C, 0.7, True, None, True)
+                casts.append(cast_nodes(logp.grad_fn, params))
+                ((logp * torch.linspace(-1, 1, C)).sum() + 0.1 * ent.sum()).backward()
+                out.append(logp.detach())
+        out += [p.grad.clone() for p in params]
+        opt.step()  # the weights move: the next block's casts must be new
+        opt.zero_grad()
+    return out, casts
+
+
+def cast_nodes(fn, params):
+    """{parameter index: the graph's nodes that cast it (autocast's ToCopyBackward into its AccumulateGrad)}"""
+    index, seen, out, todo = {id(p): i for i, p in enumerate(params)}, set(), {}, [fn]
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen:
+            continue
+        seen.add(f)
+        for g, _ in f.next_functions:
+            if type(f).__name__.startswith("ToCopy") and id(getattr(g, "variable", None)) in index:
+                out.setdefault(index[id(g.variable)], set()).add(f)
+            todo.append(g)
+    return out
+
+
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=[needs_peft] if k == "lora" else []) for k in MODELS])
+def test_cast_once_gives_the_values_and_gradients_of_autocast_per_micro_batch(kind):
+    """Fails if the block changes what a micro-batch computes: weights cast to bf16 where autocast leaves them fp32
+    (a norm, the embedding, a fork's fp32 region: other roundings), a backward run under autocast (the fp32 MLP's
+    backward matmuls then run in bf16), or casts kept past the block (the second step on the first step's weights)."""
+    want, _ = train_pass(MODELS[kind](), once=False)
+    got, casts = train_pass(MODELS[kind](), once=True)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert_close_scaled(a, b, GRADS)
+    assert min(g.abs().max() for g in want if g.dim() > 1) > 0  # every gradient reached its weight
+
+
+def test_cast_once_casts_each_weight_once_per_block():
+    """Within a block every micro-batch's graph casts each weight through the same node (one cast), and the next
+    block through a new one (the weights moved). Fails if the block lets autocast's cache end with each micro-batch."""
+    _, casts = train_pass(MODELS["qwen2"](), once=True)  # 3 micro-batches a block, 2 blocks
+    _, each = train_pass(MODELS["qwen2"](), once=False)
+    assert len(casts[0]) == len(each[0]) > 10 and all(len(c) == 1 for c in casts[0].values())  # every matmul weight
+    assert casts[0] == casts[1] == casts[2] and not set.union(*casts[0].values()) & set.union(*casts[3].values())
+    assert each[0] != each[1]  # autocast per micro-batch alone casts them anew
