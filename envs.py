@@ -117,7 +117,7 @@ class EnvDriver:
             out; stopped: the row just sampled one) ends a turn the environment answers;
         turn(text, stopped) -> (reply, done): run in a worker thread while the other rows decode on; reply: a user
             message's text, a chat message dict (a "tool" message), or None; done: the row ends here;
-        state() -> dict of numbers (reward fields and metrics: tool_calls, tool_errors, attempts ...).
+        state() -> dict of numbers: reward fields, eval.py's and the step's env/ metrics (tool_calls, attempts, ...).
     `make` may also carry render(messages) -> (messages, template kwargs), how prompts show the environment, and
     turn_chars: only a token whose vocabulary string holds one of them may end a turn before the stop token (None:
     any token; absent: none). Replies are text: tokenized with special-token parsing off, max_reply_tokens at most;
@@ -217,10 +217,26 @@ class EnvDriver:
     def states(self):
         """Each row's environment state (N dicts), once its last turn has finished."""
         wait([p[0] for p in self._pending if p is not None])
-        return [env.state() for env in self.envs]
+        return [check_state(env.state()) for env in self.envs]
+
+    def probe(self, example):
+        """The state of a fresh environment reset on `example`: its keys are reward fields (checked before a run)."""
+        env = self.make()
+        env.reset(example)
+        return check_state(env.state())
 
     def _ids(self, text):
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template's own control tokens
+
+
+def check_state(state):
+    """state, if every value is a number (they are averaged into metrics), else ValueError naming the key."""
+    for key, value in state.items():
+        if type(value) not in (bool, int, float):
+            raise ValueError(
+                f"environment state {key!r} is {value!r:.40}: a state value must be a number (bool, int, float)"
+            )
+    return state
 
 
 def opening_msg(message):
@@ -372,8 +388,8 @@ class ToolRow:
             return f"error: {name} timed out after {tools.timeout:g} s", True
         return box[0]
 
-    def state(self):
-        return {"tool_calls": self.calls, "tool_errors": self.errors}
+    def state(self):  # called: the row made a call (its mean: the call rate)
+        return {"tool_calls": self.calls, "tool_errors": self.errors, "called": float(self.calls > 0)}
 
 
 class ToolEnv(EnvDriver):

@@ -24,7 +24,6 @@ from tasks import (
     ARITH_OPS,
     ARITH_SYSTEM_PROMPT,
     OPS,
-    REWARDS,
     TASKS,
     WEIGHTS,
     Task,
@@ -34,6 +33,7 @@ from tasks import (
     load_gsm8k,
     sample_split,
     score,
+    with_options,
 )
 
 
@@ -84,13 +84,13 @@ def arith_step_rewards(completion, example):
     return [(m.end(), _line_reward(m.group(), example["answer"])) for m in lines] or [(len(completion), 0.0)]
 
 
-def step_positions(step_rewards, tokenizer, completion_ids, lengths, completions, examples, group_size):
-    """Steps as tensors for grpo.process_advantages: row i's steps are step_rewards(completions[i], examples[i //
-    group_size]), each ending on the token that holds its last character among the lengths[i] tokens of completion_ids
+def step_positions(step_rewards, tokenizer, completion_ids, lengths, completions, examples):
+    """Steps as tensors for grpo.process_advantages: row i's steps are step_rewards(completions[i], examples[i]), each
+    ending on the token that holds its last character among the lengths[i] tokens of completion_ids
     (N, C) before the stop token -> ends (N, S) long, values (N, S), mask (N, S) bool (False: padding; S: the most steps
     of a row). That token is the first whose decoded prefix holds the text up to char_end: exact whatever a tokenizer
     does to bytes and spaces (a character split over byte tokens decodes as U+FFFD until its last byte)."""
-    steps = [step_rewards(text, examples[i // group_size]) for i, text in enumerate(completions)]
+    steps = [step_rewards(text, example) for text, example in zip(completions, examples)]
     N, S = len(steps), max(len(s) for s in steps)
     ends, values, mask = torch.zeros(N, S, dtype=torch.long), torch.zeros(N, S), torch.zeros(N, S, dtype=torch.bool)
     decode = partial(tokenizer.decode, skip_special_tokens=True)
@@ -120,14 +120,10 @@ def tool_prompt(example):  # one worked call as earlier turns (HF's tool-call fo
     ]
 
 
-def tool_reward(completions, tool_calls, tool_errors, **_):  # 1.0 where a tool call ran (an error's reply aside)
-    return [float(c > e) for c, e in zip(tool_calls, tool_errors)]
-
-
-def calculator(tokenizer, max_calls=4, max_reply_tokens=64, **_):  # the task's tools in their environment (envs.py)
+def calculator(tokenizer, *, max_tool_calls=4, max_reply_tokens=64):  # the task's environment (envs.py): a calculator
     import envs
 
-    return envs.ToolEnv([envs.calculator], tokenizer, max_calls, max_reply_tokens=max_reply_tokens)
+    return envs.ToolEnv([envs.calculator], tokenizer, max_calls=max_tool_calls, max_reply_tokens=max_reply_tokens)
 
 
 def load_mixed(split, data_dir=None, n=None, seed=0):
@@ -141,44 +137,35 @@ def load_mixed(split, data_dir=None, n=None, seed=0):
     return [x for pair in pairs for x in pair]
 
 
-def feedback(tokenizer, max_calls=4, max_reply_tokens=64, max_attempts=2, **_):  # arith_retry's environment
+def feedback(tokenizer, *, max_attempts=2, max_reply_tokens=64):  # arith_retry's environment: answers it judges
     import envs
 
     make = partial(envs.FeedbackEnv, extract_answer, answers_match, max_attempts)
     return envs.EnvDriver(make, tokenizer, max_reply_tokens)
 
 
-def final_attempt_reward(completions, final_correct, **_):  # 1.0 where the row's last answer was right
+def final_attempt_reward(completions, final_correct, **_):  # 1.0 where the environment judged the last answer right
     return [float(c) for c in final_correct]
 
 
-def final_attempt_score(completion, example):  # score() of the text from the last `####` on: the last attempt
-    head, mark, last = completion.rpartition("####")
-    return score(mark + last if mark else completion, example)
+def final_attempt_score(completion, example, state):  # the environment's judgement, as the reward's; the rest: the
+    head, mark, last = completion.rpartition("####")  # last attempt's text, from the last `####` on
+    return {**score(mark + last if mark else completion, example), "strict": bool(state["final_correct"])}
 
 
 load_mul = partial(load_arith, digits=3, ops="*")
 EXTRA = {  # a call that ran is worth a little (0.2): without it the calls die out (BENCHMARKS.md)
-    "arith_steps": Task(load_arith_steps, prompt, dict(REWARDS), dict(WEIGHTS), score, arith_step_rewards),
-    "arith_tool": Task(
-        load_mul,
-        tool_prompt,
-        {**REWARDS, "tool": tool_reward},
-        {**WEIGHTS, "tool": 0.2},
-        score,
-        tools=calculator,
-    ),
-    "arith_mul": Task(load_mul, partial(chat_prompt, MUL_PROMPT), dict(REWARDS), dict(WEIGHTS), score),
-    "arith_tool_mixed": Task(
-        load_mixed, tool_prompt, {**REWARDS, "tool": tool_reward}, {**WEIGHTS, "tool": 0.2}, score, tools=calculator
-    ),
+    "arith_steps": Task(load_arith_steps, prompt, {}, dict(WEIGHTS), score, arith_step_rewards),
+    "arith_tool": Task(load_mul, tool_prompt, {}, {**WEIGHTS, "tool": 0.2}, score, env=calculator),
+    "arith_mul": Task(load_mul, partial(chat_prompt, MUL_PROMPT), {}, dict(WEIGHTS), score),
+    "arith_tool_mixed": Task(load_mixed, tool_prompt, {}, {**WEIGHTS, "tool": 0.2}, score, env=calculator),
     "arith_retry": Task(
         load_arith,
         partial(chat_prompt, ARITH_SYSTEM_PROMPT),
-        {**REWARDS, "correct": final_attempt_reward},
+        {"correct": final_attempt_reward},
         dict(WEIGHTS),
         final_attempt_score,
-        tools=feedback,
+        env=feedback,
     ),
 }
 
@@ -206,21 +193,19 @@ def python_prompt(example):  # one worked call as earlier turns, as tool_prompt'
     ]
 
 
-def python_tool(tokenizer, max_calls=4, max_reply_tokens=64, **_):  # the sandboxed interpreter; says how it is confined
+def python_tool(
+    tokenizer, *, max_tool_calls=4, max_reply_tokens=64
+):  # the sandboxed interpreter; says how it's confined
     import envs
 
     print(envs.sandbox_protections(), flush=True)
-    return envs.ToolEnv([envs.python], tokenizer, max_calls, envs.PY_TIMEOUT + 5, max_reply_tokens=max_reply_tokens)
+    timeout = envs.PY_TIMEOUT + 5
+    return envs.ToolEnv(
+        [envs.python], tokenizer, max_calls=max_tool_calls, timeout=timeout, max_reply_tokens=max_reply_tokens
+    )
 
 
-EXTRA["gsm8k_python"] = Task(
-    load_gsm8k,
-    python_prompt,
-    {**REWARDS, "tool": tool_reward},
-    {**WEIGHTS, "tool": 0.2},
-    score,
-    tools=python_tool,
-)
+EXTRA["gsm8k_python"] = Task(load_gsm8k, python_prompt, {}, {**WEIGHTS, "tool": 0.2}, score, env=python_tool)
 
 
 # rg:NAME: reasoning-gym, imported only here (~1 s, matplotlib with it) and only when such a task is named
@@ -269,7 +254,7 @@ def rg_format(completions, **_):  # 1.0 where the last tags hold an answer
     return [float(bool((TAG_RE.findall(c) or [""])[-1].strip())) for c in completions]
 
 
-def rg_score_example(dataset, completion, example):  # eval.py's: strict counts only a full score
+def rg_score_example(dataset, completion, example, state=None):  # eval.py's: strict counts only a full score
     score = rg_score(dataset, completion, example["entry"])
     return {
         "pred": rg_extract(completion),
@@ -350,12 +335,12 @@ def rg_task(name, options):
 
 
 def get(name, options=None):
-    """The task called `name` (options: an rg: task's config); ValueError in one line naming every task when there is
-    none."""
+    """The task called `name` with its options (an rg: task's: its dataset's config; else tasks.with_options');
+    ValueError in one line naming every task when there is none."""
     if name.startswith("rg:"):
         return rg_task(name, options or {})
     if name not in EXTRA:
         raise ValueError(
             f"unknown task {name!r}; tasks: {', '.join(sorted({**TASKS, **EXTRA}))}, rg:NAME (reasoning-gym)"
         )
-    return EXTRA[name]
+    return with_options(EXTRA[name], name, options or {})

@@ -16,6 +16,9 @@ from transformers import DynamicCache
 import grpo
 
 
+ROW_FIELDS = ("num_tokens", "own_tokens", "truncated", "trajectory")  # Rollout.reward_fields beside the example's
+
+
 @dataclass
 class Rollout:
     prompt_ids: torch.Tensor  # (N, P) left-padded prompt tokens, N = num_prompts * G
@@ -27,14 +30,15 @@ class Rollout:
     sample_logp: torch.Tensor  # (N, C) log-probs at sampling time (temperature applied), 0 off completion_mask
     prompt_cut: torch.Tensor  # (N,) bool: the prompt was cut from the left to max_prompt_tokens
     env_mask: torch.Tensor  # (N, C) bool: an environment's reply, which the model reads but is not trained on
-    tool_calls: torch.Tensor  # (N,) tool calls of each row
-    tool_errors: torch.Tensor  # (N,) of them, the ones answered with an error
     trajectories: list = None  # N strings: the whole conversation after the prompt, replies included
-    env_state: list = None  # N dicts: each row's environment's state() (reward fields), {} without one
+    env_state: list = None  # N dicts: each row's environment's state() (numbers: reward fields, env/ metrics)
+    examples: list = None  # N dicts: the example each row answers
+    rewards: torch.Tensor = None  # (N, K) each reward fn's value for each row (train.py's collect fills it)
 
     def __post_init__(self):  # without an environment the trajectory is the completion, and there is no state
         self.trajectories = self.completions if self.trajectories is None else self.trajectories
         self.env_state = [{} for _ in self.completions] if self.env_state is None else self.env_state
+        self.examples = [{} for _ in self.completions] if self.examples is None else self.examples
 
     @property
     def input_ids(self):
@@ -45,12 +49,29 @@ class Rollout:
         return torch.cat([self.prompt_mask, self.completion_mask + self.env_mask.long()], 1)  # (N, P+C)
 
     @property
-    def state_fields(self):  # the environments' states as reward fields: name -> one value per row
-        return {k: [s[k] for s in self.env_state] for k in (self.env_state or [{}])[0]}
+    def own_tokens(self):  # (N,) the model's own tokens of each row, its stop tokens included
+        return self.completion_mask.sum(1)
+
+    @property
+    def num_tokens(self):  # (N,) the budget each row used: its own tokens and the replies it read
+        return self.own_tokens + self.env_mask.sum(1)
+
+    def reward_fields(self):
+        """What reward fns may ask for by name, one value per row: the example's keys, num_tokens (the budget used),
+        own_tokens, truncated (0/1), trajectory and the environment's state (tool_calls, attempts, ...)."""
+        out = {k: [e[k] for e in self.examples] for k in self.examples[0]}
+        out.update(num_tokens=self.num_tokens.tolist(), own_tokens=self.own_tokens.tolist())
+        out.update(truncated=self.truncated.float().tolist(), trajectory=self.trajectories)
+        return out | {k: [s[k] for s in self.env_state] for k in self.env_state[0]}
 
     def __getitem__(self, rows):  # the rows `rows` (a LongTensor) of every field
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        return Rollout(**{k: [v[i] for i in rows.tolist()] if isinstance(v, list) else v[rows] for k, v in out.items()})
+        take = {
+            k: [v[i] for i in rows.tolist()] if isinstance(v, list) else v[rows]
+            for k, v in out.items()
+            if v is not None
+        }
+        return Rollout(**take)
 
 
 def encode_prompts(tokenizer, prompts, env=None):
@@ -89,6 +110,22 @@ def stop_token_ids(tokenizer, model):
     return sorted(i for i in ids if i is not None)
 
 
+@dataclass(frozen=True)
+class Sampler:
+    """How logits become the distribution tokens are drawn from: the sampler draws from it and the trainer scores the
+    drawn tokens under it, both through `logits`, so they agree by construction (a top-k fork edits `logits` alone).
+    temperature 0: greedy. Each field is train.py's flag of that name, or else a config key of it."""
+
+    temperature: float = 1.0
+
+    def logits(self, z):
+        """Raw logits (..., V) -> the sampled distribution's logits, fp32 (log_softmax of them: its log-probs)."""
+        z = z.float()
+        if self.temperature not in (0, 1):
+            z = z / self.temperature
+        return z
+
+
 def sample_from_logits(logits, u):
     """One token per row by inverse CDF from one uniform u (N,) in [0, 1): one random number per row, not
     per vocabulary entry as torch.multinomial. A -inf token has an empty CDF interval: never drawn."""
@@ -120,30 +157,32 @@ def sample(
     tokenizer,
     prompts,
     group_size,
+    *,
     max_new_tokens,
     stop_ids,
-    temperature=1.0,
+    sampler=Sampler(),
     generator=None,
     dtype=None,
     max_prompt_tokens=None,
     env=None,
     examples=None,
 ):
-    """`group_size` completions per prompt (temperature 0: greedy) through `model(...)` and its KV cache: each prompt
+    """`group_size` completions per prompt, drawn from sampler.logits, through `model(...)` and its KV cache: a prompt
     prefilled once, its cache repeated G times; the rows decode together to a stop token or max_new_tokens. generator:
     one, or one per prompt (its completions then depend on no neighbour). max_prompt_tokens: a prompt keeps its last.
     env (envs.EnvDriver, with the prompts' examples): one environment per row; a row it answers is fed the reply, one
     token a step, and decodes on; a row waiting on it is a hole (masked out, no position, no budget, no uniform),
     dropped from the Rollout: a row's tokens do not depend on how long its environment took."""
-    if group_size < 1 or max_new_tokens < 1 or not temperature >= 0:
-        raise ValueError(f"need G, max_new_tokens >= 1, temperature >= 0: {group_size, max_new_tokens, temperature}")
+    if group_size < 1 or max_new_tokens < 1 or not sampler.temperature >= 0:
+        raise ValueError(f"need G, max_new_tokens >= 1, temperature >= 0: {group_size, max_new_tokens, sampler}")
     G = group_size
     was_training = model.training
     model.eval()  # no dropout, and HF drops the KV cache in train mode under gradient checkpointing
     device = next(model.parameters()).device
     pad_id = stop_ids[0]  # any pad id works: padding is masked everywhere
+    examples = examples or [{} for _ in prompts]
     if env is not None:
-        prompts = env.reset(examples or [{}] * len(prompts), prompts, G)
+        prompts = env.reset(examples, prompts, G)
     seqs = encode_prompts(tokenizer, prompts, env)
     cut = torch.tensor([max_prompt_tokens is not None and len(s) > max_prompt_tokens for s in seqs])  # (B,)
     seqs = [s[-max_prompt_tokens:] for s in seqs] if max_prompt_tokens else seqs
@@ -169,9 +208,9 @@ def sample(
             cache.batch_repeat_interleave(G)
             mask, pos = mask.repeat_interleave(G, 0), pos[:, -1:].repeat_interleave(G, 0)  # (N, P), (N, 1)
             while True:
-                scaled = logits.float() / (temperature or 1.0)  # (N, V)
+                scaled = sampler.logits(logits)  # (N, V)
                 ut = u.gather(1, used[:, None].clamp(max=max_new_tokens - 1)).squeeze(1)  # (N,) by the row's own count
-                tok = sample_from_logits(scaled, ut) if temperature else scaled.argmax(-1)  # (N,)
+                tok = sample_from_logits(scaled, ut) if sampler.temperature else scaled.argmax(-1)  # (N,)
                 own, tok = ~done, tok.masked_fill(done, pad_id)  # (N,)
                 reply = torch.zeros_like(done)  # (N,) a row fed an environment's reply token
                 end = torch.isin(tok, stop) & own  # (N,) a row whose turn ends here
@@ -207,7 +246,6 @@ def sample(
         ends = (own | reply).sum(1) - (~truncated).long()  # (N,)
         trajectories = [tokenizer.decode(row[:n], skip_special_tokens=False) for row, n in zip(tokens.tolist(), ends)]
         states = env.states()
-    calls, errors = (torch.tensor([s.get(k, 0) for s in states or [{}] * N]) for k in ("tool_calls", "tool_errors"))
     return Rollout(
         prompt_ids=ids.repeat_interleave(G, 0),
         prompt_mask=mask[:, : ids.size(1)],
@@ -218,10 +256,9 @@ def sample(
         sample_logp=logps.masked_fill(~own, 0.0),
         prompt_cut=cut.repeat_interleave(G, 0).to(device),
         env_mask=reply,
-        tool_calls=calls.to(device),
-        tool_errors=errors.to(device),
         trajectories=trajectories,
         env_state=states,
+        examples=[e for e in examples for _ in range(G)],
     )
 
 
@@ -246,6 +283,8 @@ def concat(rollouts):
     out = {}
     for name in [f.name for f in fields(Rollout)]:
         parts = [getattr(r, name) for r in rollouts]  # (n_i, w_i) or (n_i,) or lists
+        if parts[0] is None:
+            continue
         if isinstance(parts[0], list):
             out[name] = [x for p in parts for x in p]
             continue
@@ -258,7 +297,7 @@ def concat(rollouts):
 
 
 @torch.no_grad()
-def batch_logprobs(model, r, micro_batch, temperature=1.0, share=True, dtype=None, hidden=False):
+def batch_logprobs(model, r, micro_batch, *, sampler=Sampler(), share=True, dtype=None, hidden=False):
     """No-grad log-probs (N, C) of a Rollout's tokens under `model` on its device, micro-batch by micro-batch; only
     results travel to the rollout's device. hidden: the final hidden states, (rows, c, H) a micro-batch (full KL)."""
     device = r.completion_ids.device
@@ -268,7 +307,7 @@ def batch_logprobs(model, r, micro_batch, temperature=1.0, share=True, dtype=Non
             if hidden:
                 out.append(completion_hidden(model, ids, mask, c, share).to(device))
             else:
-                out[rows, :c] = token_logprobs(model, ids, mask, c, temperature, share=share)[0]
+                out[rows, :c] = token_logprobs(model, ids, mask, c, sampler=sampler, share=share)[0]
     return out
 
 
@@ -283,21 +322,21 @@ def micro_batches(r, size):
 
 
 # --- teacher-forced log-probs
-def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False, ref=None):
-    """Log-prob of each target under the `lm_head` module: hidden (n, H), targets (n,) -> logp, entropy or None, kl or
-    None (n,). A chunk's (chunk, V) logits are made, used and checkpointed (backward reruns the head): no (n, V) tensor.
-    ref = (ref_lm_head, ref_hidden (n, H)): the exact KL(pi || pi_ref) over the vocabulary too (grpo.full_kl)."""
+def head_logprobs(lm_head, hidden, targets, *, sampler=Sampler(), with_entropy=False, ref=None):
+    """Log-prob of each target under sampler.logits of the `lm_head` module: hidden (n, H), targets (n,) -> logp,
+    entropy or None, kl or None (n,). A chunk's (chunk, V) logits are made, used and checkpointed (backward reruns the
+    head): no (n, V) tensor. ref = (ref_lm_head, ref_hidden (n, H)): the exact KL(pi || pi_ref) too (grpo.full_kl)."""
     size = max(16, (64 << 20) // (4 * lm_head.weight.size(0)))  # a chunk's fp32 logits stay under 64 MiB
 
     def chunk(h, t, h_ref):
-        z = lm_head(h).float() / temperature  # (n_c, V)
+        z = sampler.logits(lm_head(h))  # (n_c, V)
         logz = z.logsumexp(-1)  # (n_c,)
         logp = z.gather(-1, t[:, None]).squeeze(-1) - logz
         ent = logz - (z - logz[:, None]).exp().mul(z).sum(-1) if with_entropy else None  # H = logZ - E_p[z]
         if h_ref is None:
             return logp, ent, None
         with torch.no_grad():
-            z_ref = ref[0](h_ref).float() / temperature  # (n_c, V)
+            z_ref = sampler.logits(ref[0](h_ref))  # (n_c, V)
         return logp, ent, grpo.full_kl(z, z_ref)
 
     out, grad = [], torch.is_grad_enabled() and hidden.requires_grad
@@ -377,7 +416,7 @@ def completion_hidden(model, input_ids, attention_mask, num_completion, share=Tr
 
 
 def token_logprobs(
-    model, input_ids, attention_mask, num_completion, temperature=1.0, with_entropy=False, ref=None, share=True
+    model, input_ids, attention_mask, num_completion, *, sampler=Sampler(), with_entropy=False, ref=None, share=True
 ):
     """Teacher-forced log-probs of each row's last C = num_completion tokens: input_ids, attention_mask (N, P+C) ->
     logp, entropy or None, kl or None (N, C), 0 where the mask is 0 (the head skips it). The decoder runs once (share:
@@ -389,9 +428,8 @@ def token_logprobs(
         hidden = _hidden(model, ids, mask, C, share)  # (N, C, H)
         real = mask[:, -C:].bool()  # (N, C) positions whose target is a real token
         ref = None if ref is None else (ref[0], ref[1][real])
-        out = head_logprobs(
-            model.get_output_embeddings(), hidden[real], ids[:, -C:][real], temperature, with_entropy, ref
-        )  # (n,) each
+        head = model.get_output_embeddings()
+        out = head_logprobs(head, hidden[real], ids[:, -C:][real], sampler=sampler, with_entropy=with_entropy, ref=ref)
     return tuple(None if v is None else v.new_zeros(real.shape).masked_scatter(real, v) for v in out)
 
 

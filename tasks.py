@@ -1,10 +1,11 @@
 """Tasks: where examples come from, how they are put to the model, how answers are scored (`evaluate`); `TASKS` maps a
-name to a `Task`. To add one: a `load`, a system prompt, reward fns, a `TASKS` line.
+name to a `Task`, `get` gives one with its task_options applied. To add one: a `load`, a prompt, a `TASKS` line.
 - gsm8k: grade-school math (Cobbe et al. 2021, github.com/openai/grade-school-math).
 - arith: generated "What is 7 + 5?": a 135M model knows sums, rarely writes `#### N`: it learns on a CPU in minutes.
 Other tasks (process supervision, tools, ...) live in extra_tasks.py, imported only when one is named."""
 
 import hashlib
+import inspect
 import json
 import math
 import os
@@ -18,16 +19,8 @@ from typing import Callable, NamedTuple
 import torch
 from tqdm import tqdm
 
-from rewards import (
-    answers_match,
-    correctness_reward,
-    extract_answer,
-    extract_flexible,
-    extract_gold,
-    format_reward,
-    has_final_answer,
-)
-from rollout import sample, stop_token_ids
+from rewards import answers_match, extract_answer, extract_flexible, extract_gold, has_final_answer
+from rollout import Sampler, sample, stop_token_ids
 
 # prompts: the one place to edit what the model is told. short: a 135M model reads it.
 
@@ -50,13 +43,13 @@ class DataError(ValueError):
 
 
 class Task(NamedTuple):
-    load: Callable  # load(split, data_dir=None) -> list[dict] with "question", "answer"
+    load: Callable  # load(split, data_dir=None, **options) -> list[dict] with "question", "answer"
     prompt: Callable  # prompt(example) -> chat messages
-    reward_fns: dict  # name -> fn(completions, **fields) -> list[float]
-    reward_weights: dict  # name -> default weight (train.py --reward-weights overrides by name)
-    score: Callable  # score(completion, example) -> dict for eval.py
+    reward_fns: dict  # name -> fn(completions, **fields): the task's own, beside rewards.REWARDS (a name replaces it)
+    reward_weights: dict  # name -> weight: what the task trains on (--reward-weights reweights or adds any reward)
+    score: Callable  # score(completion, example, state) -> dict for eval.py; state: the row's environment's, else {}
     step_rewards: Callable | None = None  # (completion, example) -> [(char_end, reward), ...]: see step_positions
-    tools: Callable | None = None  # (tokenizer, **config keys) -> an envs.EnvDriver: the task's environment
+    env: Callable | None = None  # env(tokenizer, **options) -> an envs.EnvDriver: an environment for each row
 
 
 def check_generated(split, ops="+", n=None, data_dir=None):  # a generator's checks -> n: 200 test / 10,000 train
@@ -165,7 +158,7 @@ def load_arith(split, data_dir=None, n=None, digits=ARITH_DIGITS, ops=ARITH_OPS,
     return [{"question": f"What is {a} {op} {b}?", "answer": str(OPS[op](a, b))} for a, op, b in problems]
 
 
-def score(completion, example):  # shared by all tasks
+def score(completion, example, state=None):  # shared by the tasks whose environment (if any) judges nothing
     """strict: the final-answer line (`#### N` or `\\boxed{}`) is right; flexible: the last number is (lm-eval's)."""
     pred = extract_answer(completion)
     return {
@@ -176,12 +169,52 @@ def score(completion, example):  # shared by all tasks
     }
 
 
-# format gets a small weight: a push towards the `####` line, which correctness needs first
-REWARDS, WEIGHTS = {"correct": correctness_reward, "format": format_reward}, {"correct": 1.0, "format": 0.1}
+WEIGHTS = {"correct": 1.0, "format": 0.1}  # format: a small push towards the `####` line, which correct needs first
 TASKS = {  # each task its own dicts: editing one task's weights leaves the others
-    "gsm8k": Task(load_gsm8k, partial(chat_prompt, SYSTEM_PROMPT), dict(REWARDS), dict(WEIGHTS), score),
-    "arith": Task(load_arith, partial(chat_prompt, ARITH_SYSTEM_PROMPT), dict(REWARDS), dict(WEIGHTS), score),
+    "gsm8k": Task(load_gsm8k, partial(chat_prompt, SYSTEM_PROMPT), {}, dict(WEIGHTS), score),
+    "arith": Task(load_arith, partial(chat_prompt, ARITH_SYSTEM_PROMPT), {}, dict(WEIGHTS), score),
 }
+
+
+def options_of(fn, *skip):
+    """fn's keyword options and their defaults (its parameters with a default, those in skip aside)."""
+    params = inspect.signature(fn).parameters.values()
+    return {p.name: p.default for p in params if p.default is not p.empty and p.name not in skip}
+
+
+def _like(value, default):  # the default's type (an int for a float too); a default of None takes anything
+    if default is None:
+        return True
+    if isinstance(default, float):
+        return type(value) in (int, float)
+    return type(value) is type(default)
+
+
+def with_options(task, name, options):
+    """`task` with task_options bound: each a keyword of its load (arith: digits, ops, seed, n) or of its environment
+    (arith_retry: max_attempts), checked against that keyword's default type; ValueError in one line otherwise."""
+    takes = {"load": options_of(task.load, "data_dir"), "env": options_of(task.env, "tokenizer") if task.env else {}}
+    for key, value in options.items():
+        default = takes["load"].get(key, takes["env"].get(key))
+        if key not in takes["load"] and key not in takes["env"]:
+            listing = ", ".join(f"{k}={v!r}" for part in takes.values() for k, v in part.items()) or "none"
+            raise ValueError(f"task_options {key!r}: task {name} takes {listing}")
+        if not _like(value, default):
+            raise ValueError(f"task_options {key!r} must be like its default {default!r}, got {value!r}")
+    load = partial(task.load, **{k: v for k, v in options.items() if k in takes["load"]})
+    if task.env is None:
+        return task._replace(load=load)
+    return task._replace(load=load, env=partial(task.env, **{k: v for k, v in options.items() if k in takes["env"]}))
+
+
+def get(name, options=None):
+    """The task `name` (tasks.py's, extra_tasks.py's, rg:NAME) with `options` (train.py's task_options) applied;
+    ValueError in one line for an unknown name or option."""
+    if name in TASKS:
+        return with_options(TASKS[name], name, options or {})
+    import extra_tasks  # the other tasks, imported only when one is named
+
+    return extra_tasks.get(name, options or {})
 
 
 def pass_at_k(n, c, k):
@@ -196,20 +229,25 @@ def evaluate(
     tokenizer,
     task,
     examples,
+    *,
     max_new_tokens=256,
     batch_size=32,
     n=1,
-    temperature=1.0,
+    sampler=None,
     seed=0,
     progress=True,
     dtype=None,
     env=None,
 ):
-    """Score `examples` -> (summary, one record per example); n=1 is greedy, n>1 samples n completions
-    each (mean accuracies, pass@k). dtype: sampling's compute dtype. progress: a bar on stderr. A task with an
-    environment runs it (env: an envs.EnvDriver, else one with its defaults): the model's own words are scored, each
-    record keeps the trajectory, and the environments' states are averaged (tool_call_rate: samples that called)."""
-    env = task.tools(tokenizer) if task.tools and env is None else env
+    """Score `examples` -> (summary, one record per example); n=1 is greedy, n>1 samples n completions each from
+    `sampler` (mean accuracies, pass@k). dtype: sampling's compute dtype. progress: a bar on stderr. A task with an
+    environment runs it (env: an envs.EnvDriver, else the task's): task.score reads the model's own words and the row's
+    environment state, as the rewards do; each record keeps the trajectory; the states' means are env/ keys."""
+    if task.env and env is None:
+        env = task.env(tokenizer)
+    if n == 1:
+        sampler = Sampler(temperature=0.0)
+    sampler = sampler or Sampler()
     stops = stop_token_ids(tokenizer, model)
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     per_batch = max(1, batch_size // n)
@@ -218,23 +256,24 @@ def evaluate(
     with tqdm(total=len(examples), desc="eval", unit="problem", disable=not progress, leave=False) as bar:
         for i in range(0, len(examples), per_batch):
             batch = examples[i : i + per_batch]
+            prompts = [task.prompt(ex) for ex in batch]
             r = sample(
                 model,
                 tokenizer,
-                [task.prompt(ex) for ex in batch],
+                prompts,
                 n,
-                max_new_tokens,
-                stops,
-                temperature=temperature if n > 1 else 0.0,
+                max_new_tokens=max_new_tokens,
+                stop_ids=stops,
+                sampler=sampler,
                 generator=generator,
                 dtype=dtype,
                 env=env,
                 examples=batch,
             )
-            states = [{**s, "called": float(s["tool_calls"] > 0)} if "tool_calls" in s else s for s in r.env_state]
+            states = r.env_state
             for j, ex in enumerate(batch):
                 outs = r.completions[j * n : (j + 1) * n]
-                scores = [task.score(c, ex) for c in outs]
+                scores = [task.score(c, ex, s) for c, s in zip(outs, states[j * n : (j + 1) * n])]
                 correct.append(sum(bool(s["strict"]) for s in scores))
                 records.append(
                     {
@@ -255,9 +294,7 @@ def evaluate(
     m = max(len(records), 1)
     names = {"strict": "strict_acc", "flexible": "flexible_acc", "format": "format_rate"}
     if records:  # the environments' states, averaged
-        names.update({k: k for k in states[0]})
-    if "called" in names:
-        names["called"] = "tool_call_rate"
+        names.update({k: f"env/{k}" for k in states[0]})
     if records and "score" in records[0]:  # a partial-credit mean
         names["score"] = "score"
     summary = {"n_examples": len(records), **{name: sum(r[k] for r in records) / m for k, name in names.items()}}

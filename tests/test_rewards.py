@@ -304,21 +304,15 @@ def tiny_reward_model(num_labels=1):
 def test_readme_reward_model_scores_each_text_as_if_alone(monkeypatch):
     tok, rm = make_tokenizer(), tiny_reward_model()
     assert rm.config.pad_token_id is None  # the block sets it from the tokenizer
-    # the block adds the fn to TASKS["gsm8k"]: it gets a copy with dicts of its own
-    own = {
-        k: t._replace(reward_fns=dict(t.reward_fns), reward_weights=dict(t.reward_weights))
-        for k, t in tasks.TASKS.items()
-    }
-    monkeypatch.setattr(tasks, "TASKS", own)
+    monkeypatch.setattr(rewards, "REWARDS", dict(rewards.REWARDS))  # the block adds the fn to a copy
     block = {"rm": rm, "rm_tok": tok}
     exec(readme_block("### A reward model as a reward function"), block)
     assert rm.config.pad_token_id == EOS
     prompts = ["w1 w2 w3", "w4", "w5 w6", "w7 w8 w9 w10 w11"]  # 4 to 9 tokens: every row but one is padded
     completions = [" w12", " w13 w14 w15 w16 w17 w18", " w19", " w20 w21 w22"]
-    task = tasks.TASKS["gsm8k"]
-    total, per_fn = combine_rewards(
-        task.reward_fns, task.reward_weights, completions, question=prompts, answer=["1"] * 4
-    )
+    weights = {**tasks.TASKS["gsm8k"].reward_weights, "rm": 1.0}  # what --reward-weights rm=1.0 trains on
+    fns = {k: rewards.REWARDS[k] for k in weights}
+    total, per_fn = combine_rewards(fns, weights, completions, question=prompts, answer=["1"] * 4)
     with torch.no_grad():  # each text alone, no padding at all
         alone = [
             rm(input_ids=torch.tensor([tok(p + c)["input_ids"]])).logits[0, 0].item()

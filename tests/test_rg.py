@@ -155,14 +155,15 @@ def test_missing_reasoning_gym_is_one_line(model_dir, tmp_path, capsys, monkeypa
     assert code == 2 and "pip install reasoning-gym==0.1.25" in line, line
 
 
-def test_options_on_another_task_say_so(model_dir, tmp_path, capsys):
-    """Fails if task_options on a task that takes none passes silently (train.py) or is ignored (eval.py)."""
-    run_script(TRAIN, train_args(model_dir, str(tmp_path / "run"), "--config", "task_options={'seed': 1}", steps=1))
-    assert (
-        "note: task_options has no effect in this run (task toy is not a reasoning-gym task)" in capsys.readouterr().out
-    )
-    code, line = error_of(EVAL, ["--task", "arith", "--task-options", "{'seed': 1}", "--model", model_dir], capsys)
-    assert code == 2 and "--task-options configures an rg: task" in line, line
+def test_options_a_task_does_not_take_are_one_line(model_dir, tmp_path, capsys):
+    """Fails if a task_options key the task does not take passes silently (train.py) or is ignored (eval.py): one
+    line each, naming the key and the task."""
+    argv = train_args(model_dir, str(tmp_path / "run"), "--config", "task_options={'seed': 1}", steps=1)
+    code, line = error_of(TRAIN, argv, capsys)
+    assert code == 2 and "task_options 'seed'" in line and "toy" in line, line
+    argv = ["--task", "arith", "--task-options", "{'no_such_option': 1}", "--model", model_dir]
+    code, line = error_of(EVAL, argv, capsys)
+    assert code == 2 and "'no_such_option'" in line and "arith" in line and "digits" in line, line
 
 
 CHECK_IMPORTS = """

@@ -11,7 +11,7 @@ from conftest import VOCAB, make_tokenizer
 
 import extra_tasks
 import tasks
-from rewards import combine_rewards
+from rewards import REWARDS, combine_rewards
 from extra_tasks import PROMPT as ARITH_STEPS_SYSTEM_PROMPT
 from extra_tasks import arith_step_rewards, load_arith_steps, step_positions
 from tasks import ARITH_SYSTEM_PROMPT, SYSTEM_PROMPT, TASKS, DataError, Task, load_arith, load_gsm8k
@@ -319,7 +319,7 @@ def test_step_positions_by_hand():
     texts = ["w1 w2 w3", "w4 w5", "", "w6 w7 w8 w9"]
     assert [tok.decode(r[:n], skip_special_tokens=True) for r, n in zip(rows, lengths)] == texts
     ends, values, mask = step_positions(
-        word_steps, tok, torch.tensor(rows), lengths, texts, [{"w": 1.0}, {"w": 0.5}], group_size=2
+        word_steps, tok, torch.tensor(rows), lengths, texts, [{"w": 1.0}, {"w": 1.0}, {"w": 0.5}, {"w": 0.5}]
     )
     assert ends.dtype == torch.long and mask.dtype == torch.bool
     assert ends.tolist() == [[0, 1, 2, 0], [0, 2, 0, 0], [0, 0, 0, 0], [0, 1, 2, 3]]  # padding steps: 0
@@ -351,7 +351,7 @@ def test_step_positions_is_the_token_that_completes_the_character(smol_tok):
         return [(i + 1, float(i)) for i in range(len(t))]
 
     ends, values, mask = step_positions(
-        every_char, smol_tok, torch.tensor([ids + [smol_tok.eos_token_id]]), [len(ids)], [text], [{}], 1
+        every_char, smol_tok, torch.tensor([ids + [smol_tok.eos_token_id]]), [len(ids)], [text], [{}]
     )
     assert mask.all() and values[0].tolist() == list(range(len(text)))
     for end, k in zip(range(1, len(text) + 1), ends[0].tolist()):
@@ -387,8 +387,7 @@ def test_step_positions_of_arith_steps_are_each_lines_last_token(smol_tok):
         completion_ids,
         [len(r) for r in rows],
         texts,
-        [{"answer": g} for g in groups],
-        group_size=2,
+        [{"answer": g} for g in groups for _ in range(2)],  # each row's example
     )
     assert [e[m].tolist() for e, m in zip(ends, mask)] == want_ends
     assert [v[m].tolist() for v, m in zip(values, mask)] == want_values == [[1, 1, 0, 1], [0, 0], [0, 1], [1]]
@@ -407,8 +406,8 @@ def test_tasks_table():
         extra_tasks.EXTRA
     )
     every = {**TASKS, **extra_tasks.EXTRA}
-    for task in every.values():
-        assert set(task.reward_weights) == set(task.reward_fns)
+    for task in every.values():  # each weight names a reward: the task's own, else rewards.REWARDS'
+        assert set(task.reward_weights) <= {*REWARDS, *task.reward_fns}
     weights = [id(task.reward_weights) for task in every.values()]
     assert len(set(weights)) == len(weights)  # editing one task's weights leaves the others
     text = "4 * 2 = 8\n#### 8"
@@ -416,10 +415,10 @@ def test_tasks_table():
         text, {"answer": "8"}
     )
     assert TASKS["gsm8k"].step_rewards is None and TASKS["arith"].step_rewards is None
-    assert {"arith_tool", "arith_tool_mixed", "arith_retry", "gsm8k_python"} <= {n for n, t in every.items() if t.tools}
-    assert not every["arith_mul"].tools
-    with pytest.raises(ValueError, match="unknown task 'arith_x'; tasks: arith, arith_mul, arith_retry, arith_steps"):
-        extra_tasks.get("arith_x")
+    assert {"arith_tool", "arith_tool_mixed", "arith_retry", "gsm8k_python"} <= {n for n, t in every.items() if t.env}
+    assert not every["arith_mul"].env
+    with pytest.raises(ValueError, match="unknown task 'no-such-task'; tasks: .*arith_retry"):
+        extra_tasks.get("no-such-task")
     assert Task(*range(5)).step_rewards is None  # five-field tasks still build
 
 
@@ -450,12 +449,17 @@ def test_score(completion, pred, strict, flexible, fmt):
         assert s == {"pred": pred, "strict": strict, "flexible": flexible, "format": fmt}
 
 
+def active(task):
+    """The reward fns a task trains on by default: its weights' names, its own fns before rewards.REWARDS'."""
+    return {k: {**REWARDS, **task.reward_fns}[k] for k in task.reward_weights}
+
+
 def test_task_rewards_combine():
     task = TASKS["arith"]
     examples = load_arith("test", n=2)
     completions = [f"#### {examples[0]['answer']}", "no idea"]
     total, per_fn = combine_rewards(
-        task.reward_fns, task.reward_weights, completions, answer=[e["answer"] for e in examples]
+        active(task), task.reward_weights, completions, answer=[e["answer"] for e in examples]
     )
     assert total == pytest.approx([1.1, 0.0]) and per_fn["format"] == [1.0, 0.0]
 
@@ -465,7 +469,7 @@ def test_arith_steps_rewards_combine():
     example = {"question": "What is 3 + 4 * 2 - 5?", "answer": "6"}
     completions = [CHAIN, CHAIN.replace("#### 6", "#### 5"), "6"]
     total, _ = combine_rewards(
-        task.reward_fns,
+        active(task),
         task.reward_weights,
         completions,
         num_tokens=[20, 20, 1],

@@ -107,7 +107,7 @@ def parity(word):
     return "even" if _index(word) % 2 == 0 else "odd"
 
 
-def score(completion, example):
+def score(completion, example, state=None):
     words = [w for w in completion.split() if _index(w) is not None]
     pred = parity(words[0]) if words else None
     return {
@@ -346,14 +346,14 @@ class WordToolEnv:
         return self.spec.reply, False
 
     def state(self):
-        return {"tool_calls": self.calls, "tool_errors": self.errors}
+        return {"tool_calls": self.calls, "tool_errors": self.errors, "called": float(self.calls > 0)}
 
 
-def word_tools(tokenizer, max_calls=4, max_reply_tokens=64, **_):
+def word_tools(tokenizer, *, max_tool_calls=4, max_reply_tokens=64):
     import envs
 
-    return envs.EnvDriver(WordTools(max_calls), tokenizer, max_reply_tokens)
+    return envs.EnvDriver(WordTools(max_tool_calls), tokenizer, max_reply_tokens)
 
 
 # the toy task, its rows calling WordToolEnv on w5 (w7: an error); TASKS["toy_tool"] in toy_train.py
-TOOL_TASK = TASK._replace(tools=word_tools)
+TOOL_TASK = TASK._replace(env=word_tools)
