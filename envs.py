@@ -113,15 +113,17 @@ class EnvDriver:
     """One rollout's environments, stepped once per decode step by rollout.sample. `make()` gives a row's environment,
     an object with
         reset(example) -> an opening message (a user message appended to the prompt) or None;
-        ends_turn(text, stopped) -> bool, cheap: whether the row's own text since its last reply (its stop token left
-            out; stopped: the row just sampled one) ends a turn the environment answers;
-        turn(text, stopped) -> (reply, done): run in a worker thread while the other rows decode on; reply: a user
+        turn(text, stopped) -> (reply, done): the row's own text since its last reply (its stop token left out;
+            stopped: the row just sampled one), run in a worker thread while the other rows decode on; reply: a user
             message's text, a chat message dict (a "tool" message), or None; done: the row ends here;
-        state() -> dict of numbers: reward fields, eval.py's and the step's env/ metrics (tool_calls, attempts, ...).
+        state() -> dict of numbers: reward fields, eval.py's and the step's env/ metrics (tool_calls, attempts, ...);
+    and optionally ends_turn(text, stopped) -> bool, cheap: whether that text ends a turn (default: at the row's stop
+    token), and end(text): a row the budget cut ends with that text unanswered (a last judgement; no reply).
     `make` may also carry render(messages) -> (messages, template kwargs), how prompts show the environment, and
     turn_chars: only a token whose vocabulary string holds one of them may end a turn before the stop token (None:
     any token; absent: none). Replies are text: tokenized with special-token parsing off, max_reply_tokens at most;
-    only the chat template's frame around them is control tokens."""
+    only the chat template's frame around them is control tokens. A turn before the stop token runs only where the
+    budget left can hold the shortest reply and one more own token: else the model could never act on its reply."""
 
     def __init__(self, make, tokenizer, max_reply_tokens=64, workers=8):
         if not tokenizer.chat_template:
@@ -132,7 +134,9 @@ class EnvDriver:
         vocab = [str(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))]
         self._may_end = [chars is None or any(c in t for c in chars) for t in vocab]
         self._tail = _after_mark(tokenizer, DUMMY, False, {})  # the template's end of an assistant turn
-        self.frame({"role": "user", "content": "0"}, False)  # the template's check, now rather than at the first turn
+        self._least = len(
+            self.frame({"role": "user", "content": "0"}, False)
+        )  # the shortest reply; checks the template
         self.reset([], [], 1)
 
     def render(self, messages):
@@ -175,13 +179,14 @@ class EnvDriver:
         body = ids["input_ids"][: self.max_reply_tokens]
         return self._ids(head) + body + self._ids(tail)
 
-    def step(self, tok, done, stopped, last):
+    def step(self, tok, done, stopped, left):
         """One decode step: tok (N,) sampled, done (N,) rows already ended (left alone), stopped (N,) rows that
-        sampled a stop token, last (N,) rows on their last budget token -> tok (N,) what each row takes, own (N,) it is
-        the model's token, reply (N,) an environment's, end (N,) the row ends here. A row neither own nor reply waits
+        sampled a stop token, left (N,) each row's budget after this token -> tok (N,) what each row takes, own (N,) it
+        is the model's token, reply (N,) an environment's, end (N,) the row ends here. A row neither own nor reply waits
         on its environment's turn: a hole (masked like padding); when every row left waits, the step blocks for one.
-        A turn ending on a row's last budget token is not run, unless the row stopped (its answer is still checked)."""
-        N, ids = tok.numel(), tok.tolist()
+        A turn is not run where the row could not act on its reply (left too small), unless the row stopped (its
+        answer is still checked); on a row's last budget token its environment's end(text) judges what is left."""
+        N, ids, left = tok.numel(), tok.tolist(), left.tolist()
         own, reply, end = [False] * N, [False] * N, stopped.tolist()
         active = [i for i in range(N) if not done[i]]
         waiting = [self._pending[i][0] for i in active if self._pending[i] is not None]
@@ -205,10 +210,15 @@ class EnvDriver:
                 continue
             own[i] = True
             self._text[i].append(ids[i])
-            if not (end[i] or (self._may_end[ids[i]] and not last[i])):
+            may_end = ids[i] < len(self._may_end) and self._may_end[ids[i]]  # models pad their vocabulary
+            if not (end[i] or left[i] == 0 or (may_end and left[i] > self._least)):
                 continue
             text = self.tokenizer.decode(self._text[i][: len(self._text[i]) - end[i]], skip_special_tokens=False)
-            if self.envs[i].ends_turn(text, end[i]):
+            if left[i] == 0 and not end[i]:  # the budget ends the row here: the environment may judge what is left
+                if hasattr(self.envs[i], "end"):
+                    self.envs[i].end(text)
+                continue
+            if getattr(self.envs[i], "ends_turn", _at_stop)(text, end[i]):
                 self._pending[i] = (self.pool.submit(self.envs[i].turn, text, end[i]), end[i])
                 self._text[i], end[i] = [], False
         device = tok.device
@@ -227,6 +237,10 @@ class EnvDriver:
 
     def _ids(self, text):
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template's own control tokens
+
+
+def _at_stop(text, stopped):  # an environment's default ends_turn: the row's own stop token ends its turn
+    return stopped
 
 
 def check_state(state):
@@ -368,7 +382,8 @@ class ToolRow:
         name, args, kwargs, _ = self.tools.parse(text)
         result, error = self.run(name, args, kwargs)
         self.calls, self.errors = self.calls + 1, self.errors + error
-        return self.tools.message(name, result), False
+        known = name if name in self.tools.tools else None  # a name the model made up never enters the frame
+        return self.tools.message(known, result), False
 
     def run(self, name, args, kwargs):
         """A call -> (text, is_error). It runs in a daemon thread joined up to the timeout: a call past it is
@@ -409,9 +424,9 @@ class ToolEnv(EnvDriver):
 
 
 class FeedbackEnv:
-    """One row's checker: at each finished answer (the row's stop token) it extracts the answer as the task scores
-    it (`extract`) and compares it with the example's (`match`); wrong with attempts left: the reply WRONG and the row
-    tries again, else the row ends. state(): attempts, first_correct, final_correct (the last attempt's)."""
+    """One row's checker: at each answer (the row's stop token, or the budget's end) it extracts the answer as the task
+    scores it (`extract`) and compares it with the example's (`match`); wrong with attempts left: the reply WRONG and
+    the row tries again, else the row ends. state(): attempts, first_correct, final_correct (the last attempt's)."""
 
     WRONG = "Wrong; try again. End with a final line: #### <number>"
 
@@ -421,14 +436,14 @@ class FeedbackEnv:
     def reset(self, example):
         self.gold, self.results = example["answer"], []
 
-    def ends_turn(self, text, stopped):
-        return stopped
-
     def turn(self, text, stopped):
-        self.results.append(bool(self.match(self.extract(text), self.gold)))
+        self.end(text)
         if self.results[-1] or len(self.results) >= self.max_attempts:
             return None, True
         return self.WRONG, False
+
+    def end(self, text):  # an answer, judged: at the row's stop token, or where the budget cut it
+        self.results.append(bool(self.match(self.extract(text), self.gold)))
 
     def state(self):
         first, final = (self.results[0], self.results[-1]) if self.results else (False, False)

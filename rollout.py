@@ -25,7 +25,7 @@ class Rollout:
     prompt_mask: torch.Tensor  # (N, P) 1 on real prompt tokens
     completion_ids: torch.Tensor  # (N, C) the trajectory: sampled tokens (and tool replies), pad after the stop
     completion_mask: torch.Tensor  # (N, C) 1 on the model's own tokens, each turn's stop token included
-    truncated: torch.Tensor  # (N,) bool: its last own token is no stop token (it ran out of max_new_tokens)
+    truncated: torch.Tensor  # (N,) bool: the budget ended the row (max_new_tokens), not its stop token or environment
     completions: list  # N strings: the model's own words (its sampled tokens only), turns joined by a newline
     sample_logp: torch.Tensor  # (N, C) log-probs at sampling time (temperature applied), 0 off completion_mask
     prompt_cut: torch.Tensor  # (N,) bool: the prompt was cut from the left to max_prompt_tokens
@@ -193,6 +193,7 @@ def sample(
     u = torch.cat([torch.rand(rows, max_new_tokens, generator=g, device=g and g.device) for g in gens]).to(device)
     stop = torch.as_tensor(stop_ids, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)  # (N,) a row that stopped or used its budget
+    ended = torch.zeros(N, dtype=torch.bool, device=device)  # (N,) a row its stop token or environment ended
     used = torch.zeros(N, dtype=torch.long, device=device)  # (N,) budget used: own tokens and replies fed
     cols = []  # per step: token, log-prob, own, reply (N,) each
     cache = _Cache(config=model.config)
@@ -215,10 +216,11 @@ def sample(
                 reply = torch.zeros_like(done)  # (N,) a row fed an environment's reply token
                 end = torch.isin(tok, stop) & own  # (N,) a row whose turn ends here
                 if env is not None:  # a row in a reply takes the reply's next token; a waiting row a hole
-                    tok, own, reply, end = env.step(tok, done, end, used == max_new_tokens - 1)
+                    tok, own, reply, end = env.step(tok, done, end, max_new_tokens - 1 - used)
                 fed = own | reply  # (N,)
                 cols.append((tok, scaled.log_softmax(-1).gather(1, tok[:, None]).squeeze(1), own, reply))
                 used += fed
+                ended |= end
                 done |= end | (used == max_new_tokens)
                 if bool(done.all()):
                     break
@@ -237,13 +239,12 @@ def sample(
     tokens, logps, own, reply = (x.gather(1, keep) for x in (tokens, logps, own, reply))
     tokens = tokens.masked_fill(~(own | reply), pad_id)
     is_stop = torch.isin(tokens, stop) & own  # (N, C)
-    last = (own.long() * torch.arange(tokens.size(1), device=device)).argmax(1)  # (N,) each row's last own token
-    truncated = ~is_stop.gather(1, last[:, None]).squeeze(1)  # (N,) ended without a stop token
     completions = own_text(tokenizer, tokens, own & ~is_stop, reply)
     trajectories = completions
     states = None
     if env is not None:  # the conversation as the template writes it, the row's final stop token left out
-        ends = (own | reply).sum(1) - (~truncated).long()  # (N,)
+        n = (own | reply).sum(1)  # (N,)
+        ends = n - is_stop.gather(1, (n - 1).clamp(min=0)[:, None]).squeeze(1).long()  # (N,)
         trajectories = [tokenizer.decode(row[:n], skip_special_tokens=False) for row, n in zip(tokens.tolist(), ends)]
         states = env.states()
     return Rollout(
@@ -251,7 +252,7 @@ def sample(
         prompt_mask=mask[:, : ids.size(1)],
         completion_ids=tokens,
         completion_mask=own.long(),  # the model's own tokens, its stop token included
-        truncated=truncated,
+        truncated=~ended,  # the budget ended it (in its own words or in a reply), not its stop token or environment
         completions=completions,
         sample_logp=logps.masked_fill(~own, 0.0),
         prompt_cut=cut.repeat_interleave(G, 0).to(device),

@@ -109,7 +109,7 @@ def drive(env, scripts, stop_ids, max_steps=200, budget=10**6, examples=None, on
     for _ in range(max_steps):
         tok = torch.tensor([s[min(a, len(s) - 1)] for s, a in zip(scripts, at)])  # (N,)
         stopped = torch.isin(tok, torch.tensor(stop_ids)) & ~done
-        tok, own, reply, end = env.step(tok, done, stopped, used == budget - 1)
+        tok, own, reply, end = env.step(tok, done, stopped, budget - 1 - used)
         for i in (own | reply).nonzero().flatten().tolist():
             rows[i].append(tok[i].item())
             envs[i].append(bool(reply[i]))
