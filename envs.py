@@ -424,26 +424,25 @@ class ToolEnv(EnvDriver):
 
 
 class FeedbackEnv:
-    """One row's checker: at each answer (the row's stop token, or the budget's end) it extracts the answer as the task
-    scores it (`extract`) and compares it with the example's (`match`); wrong with attempts left: the reply WRONG and
-    the row tries again, else the row ends. state(): attempts, first_correct, final_correct (the last attempt's)."""
+    """One row's checker: at each answer (the row's stop token, or where the budget cut it) check(text, example) gives
+    None when it is right, else the reply (arith_retry's: WRONG; a game's: a hint); with attempts left the row reads
+    the reply and tries again, else it ends. state(): attempts, first_correct, final_correct (the last attempt's)."""
 
-    WRONG = "Wrong; try again. End with a final line: #### <number>"
-
-    def __init__(self, extract, match, max_attempts=2):
-        self.extract, self.match, self.max_attempts = extract, match, max_attempts
+    def __init__(self, check, max_attempts=2):
+        self.check, self.max_attempts = check, max_attempts
 
     def reset(self, example):
-        self.gold, self.results = example["answer"], []
+        self.example, self.results, self.reply = example, [], None
 
     def turn(self, text, stopped):
         self.end(text)
         if self.results[-1] or len(self.results) >= self.max_attempts:
             return None, True
-        return self.WRONG, False
+        return self.reply, False
 
     def end(self, text):  # an answer, judged: at the row's stop token, or where the budget cut it
-        self.results.append(bool(self.match(self.extract(text), self.gold)))
+        self.reply = self.check(text, self.example)
+        self.results.append(self.reply is None)
 
     def state(self):
         first, final = (self.results[0], self.results[-1]) if self.results else (False, False)

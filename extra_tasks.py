@@ -137,11 +137,19 @@ def load_mixed(split, data_dir=None, n=None, seed=0):
     return [x for pair in pairs for x in pair]
 
 
+WRONG = "Wrong; try again. End with a final line: #### <number>"
+
+
+def retry_check(text, example):  # arith_retry's judge: None for a right answer (as score reads it), else WRONG
+    if answers_match(extract_answer(text), example["answer"]):
+        return None
+    return WRONG
+
+
 def feedback(tokenizer, *, max_attempts=2, max_reply_tokens=64):  # arith_retry's environment: answers it judges
     import envs
 
-    make = partial(envs.FeedbackEnv, extract_answer, answers_match, max_attempts)
-    return envs.EnvDriver(make, tokenizer, max_reply_tokens)
+    return envs.EnvDriver(partial(envs.FeedbackEnv, retry_check, max_attempts), tokenizer, max_reply_tokens)
 
 
 def final_attempt_reward(completions, final_correct, **_):  # 1.0 where the environment judged the last answer right

@@ -15,6 +15,7 @@ from conftest import EOS, make_tokenizer
 from tokenizers import AddedToken
 from transformers.utils import get_json_schema
 
+import extra_tasks
 from envs import MALFORMED, EnvDriver, Tools, calculator
 
 # Qwen2.5-Instruct's chat template (tool use, ChatML), shortened to what a tool rollout renders
@@ -582,17 +583,16 @@ def test_feedback_asks_again_after_a_wrong_answer_and_the_reward_reads_the_last(
     """Fails if the row ends at its first (wrong) answer, if a right answer is asked again, if the reply after the
     row's own stop repeats the end of turn, or if the state reports the first attempt as the final one."""
     from envs import FeedbackEnv
-    from rewards import answers_match, extract_answer
 
     tok = tags_tokenizer()
-    env = EnvDriver(partial(FeedbackEnv, extract_answer, answers_match, 3), tok)
+    env = EnvDriver(partial(FeedbackEnv, extra_tasks.retry_check, 3), tok)
     scripts = [
         ids(tok, "#### 12") + [EOS] + ids(tok, "#### 36") + [EOS] + ids(tok, "w1") + [EOS],
         ids(tok, "#### 36") + [EOS],
     ]
     rows, envs, _ = drive_reset(env, scripts, [EOS], [{"answer": "36"}])
     # after the row's own stop (its <|im_end|>) the frame goes on from the next header: no second <|im_end|>
-    wrong = ids(tok, f"<|im_start|> user {FeedbackEnv.WRONG} <|im_end|> <|im_start|> assistant")
+    wrong = ids(tok, f"<|im_start|> user {extra_tasks.WRONG} <|im_end|> <|im_start|> assistant")
     assert rows[0] == ids(tok, "#### 12") + [EOS] + wrong + ids(tok, "#### 36") + [EOS]
     assert rows[1] == ids(tok, "#### 36") + [EOS] and not any(envs[1])
     assert env.states() == [
