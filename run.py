@@ -70,7 +70,7 @@ def parse(p, ranges, constants, argv=None):
     from or None, the names whose value is not the default). constants: {name: (default, choices tuple or range)}
     of the values only config files set."""
     flags = {a.dest for a in p._actions} - {"help", "config"}
-    keys = ", ".join(f"{k} ({d!r})" for k, (d, _) in constants.items())
+    keys = ", ".join(f"{k}={d!r}" for k, (d, _) in constants.items())
     p.epilog = textwrap.fill(f"config keys (--config FILE or --config name=value), with their defaults: {keys}", 100)
     defaults = vars(p.parse_args([]))
     pre = p.parse_known_args(argv)[0]
