@@ -16,6 +16,8 @@ import random
 import re
 from bisect import bisect_left
 from functools import partial
+from itertools import islice
+from operator import itemgetter
 
 import torch
 
@@ -225,7 +227,7 @@ RG_PROMPT = (
     "Example:\nWhat is 3 + 4?\n3 + 4 = 7\n<answer>7</answer>"
 )
 RG_TEST_PERCENT = 50  # test-only share of the questions: a small space (1-digit sums) still holds ~100 of each
-RG_DRAWS = 30_000  # items generated per split at most: 3x the 10,000 train questions (repeats are skipped)
+RG_DRAWS = 30_000  # items generated per source and split at most: 3x the 10,000 train questions (repeats skipped)
 TAG_RE = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)  # reasoning_gym.utils.extract_answer's pattern
 
 
@@ -273,23 +275,74 @@ def rg_score_example(dataset, completion, example, state=None):  # eval.py's: st
     }
 
 
-def load_rg(dataset, test_n, split, data_dir=None, n=None):
-    """n distinct questions of `split` (test: test_n by default) {"question", "answer", "entry" (reasoning-gym's item),
-    "source" (a mix's)}, in the dataset's order; fewer when its RG_DRAWS items hold fewer."""
+def rg_draw(source, split):  # a source's distinct questions of `split`, in its order, from its RG_DRAWS items
+    seen = set()
+    for i in range(len(source)):
+        entry = source[i]
+        q = entry["question"]
+        if q not in seen and rg_is_test(q) == (split == "test"):
+            seen.add(q)
+            yield {"question": q, "answer": str(entry["answer"]), "entry": entry}
+
+
+def rg_shares(n, weights, held=None):
+    """n split by weight w: source i's share is round(n * W_i / W) - round(n * W_(i-1) / W), W_i the weights up to
+    and with i's, so the shares sum to n; a source in `held` keeps that many and the rest is split among the others."""
+    shares = dict(held or {})
+    rest = [k for k in weights if k not in shares]
+    left, total, below = n - sum(shares.values()), sum(weights[k] for k in rest), 0
+    for k in rest:
+        shares[k] = round(left * (below + weights[k]) / total) - round(left * below / total)
+        below += weights[k]
+    return shares
+
+
+def load_rg(name, sources, weights, test_n, split, data_dir=None, n=None):
+    """n questions of `split` (test: test_n by default) {"question", "answer", "entry" (reasoning-gym's item),
+    "source" (a mix's)}: each source's share of n by weight (rg_shares), drawn from its own RG_DRAWS items, the
+    sources spread evenly so that any prefix holds the mix. A source with fewer distinct questions than its share is
+    repeated to it in a mix's train split (the weights hold, as load_mixed); in a test split (and one dataset's train
+    split) it gives what it has, the others' shares take the rest, never a question twice. One line at load says
+    where a mix's train split repeats or a test split holds fewer than n or other proportions than the weights'."""
     if n is None and split == "test":
         n = test_n
     n = check_generated(split, n=n, data_dir=data_dir)
-    examples = {}
-    for i in range(len(dataset)):
-        entry = dataset[i]
-        q = entry["question"]
-        if q not in examples and rg_is_test(q) == (split == "test"):
-            examples[q] = {"question": q, "answer": str(entry["answer"]), "entry": entry}
-            if type(dataset).__name__ == "CompositeDataset":  # eval.py reports each source's accuracy
-                examples[q]["source"] = entry["metadata"]["source_dataset"]
-        if len(examples) == n:
+    repeat = split == "train" and len(sources) > 1
+    draws = {k: rg_draw(source, split) for k, source in sources.items()}
+    pools, ran_out = {k: [] for k in sources}, {}  # ran_out: the sources short of their share, their questions
+    while True:  # a test split's source short of its share keeps what it has, the others' shares grow to fill it
+        shares = rg_shares(n, weights, ran_out)
+        for k, share in shares.items():
+            pools[k] += islice(draws[k], max(share - len(pools[k]), 0))
+        short = {k: len(pools[k]) for k in sources if len(pools[k]) < shares[k]}
+        if repeat or not short:
             break
-    return list(examples.values())
+        ran_out.update(short)
+    asked = rg_shares(n, weights)
+    if repeat:  # each source to its share: a short one's questions again, in the same order
+        ran_out = {k: len(pool) for k, pool in pools.items() if len(pool) < asked[k]}
+        for k, c in ran_out.items():
+            if not c:
+                raise ValueError(f"{name}: {k}'s {len(sources[k]):,} draws hold no {split} question; widen its config")
+            pools[k] = (pools[k] * (asked[k] // c + 1))[: asked[k]]
+    counts = {k: len(pool) for k, pool in pools.items()}
+    if ran_out and (repeat or split == "test" and counts != asked):  # one dataset's train split holds what it has
+        mix = ""
+        if len(sources) > 1:
+            by_weight = ", ".join(f"{a:,}" for a in asked.values())
+            mix = f" ({', '.join(f'{k} {c:,}' for k, c in counts.items())}; by weight {by_weight})"
+        why = "; ".join(
+            f"{k}'s {len(sources[k]):,} draws hold {c:,} distinct {split} questions" for k, c in ran_out.items()
+        )
+        fix = ", each repeated to its share (a small space: widen its config, e.g. larger max_* fields)"
+        if not repeat:
+            fix = " (a small space: widen the config, e.g. larger max_* fields, or lower size)"
+        print(f"{name} {split}: {sum(counts.values()):,} questions of the {n:,} asked{mix}: {why}{fix}")
+    examples = []
+    for k, pool in pools.items():
+        for j, ex in enumerate(pool):  # spread evenly: eval_n's or --limit's prefix holds the weights' mix
+            examples.append(((j + 0.5) / len(pool), {**ex, "source": k} if len(sources) > 1 else ex))
+    return [ex for _, ex in sorted(examples, key=itemgetter(0))]
 
 
 def rg_dataset(names, options):
@@ -332,9 +385,13 @@ def rg_task(name, options):
     for key in ("seed", "size"):
         if key in options and (type(options[key]) is not int or options[key] < (key == "size")):
             raise ValueError(f"task_options {key!r} must be an integer >= {int(key == 'size')}, got {options[key]!r}")
-    dataset = rg_dataset(name.removeprefix("rg:").split("+"), options)
+    names = name.removeprefix("rg:").split("+")
+    dataset = rg_dataset(names, options)
+    sources, weights = {names[0]: dataset}, {names[0]: 1}
+    if len(names) > 1:  # a CompositeDataset: one dataset per source (seed + i + 1), drawn apart to hold the weights
+        sources, weights = dataset.datasets, dict(zip(dataset.dataset_names, dataset.weights))
     return Task(
-        partial(load_rg, dataset, options.get("size", 200)),  # "size": the test split's
+        partial(load_rg, name, sources, weights, options.get("size", 200)),  # "size": the test split's
         partial(chat_prompt, RG_PROMPT),
         {"correct": partial(rg_correct, dataset), "format": rg_format},
         dict(WEIGHTS),
