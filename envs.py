@@ -224,6 +224,26 @@ class EnvDriver:
         device = tok.device
         return tok.new_tensor(ids), *(torch.tensor(x, device=device) for x in (own, reply, end))
 
+    def texts(self, tokens, words, reply, is_stop):
+        """A rollout's rows, tokens (N, C), the model's own words (its tokens less each turn's stop token), the replies
+        and its stop tokens (N, C) each -> (its words, a turn a line; the conversation as the template writes it,
+        replies included, the row's final stop token left out; each row's environment state)."""
+        completions = []
+        for row, own, fed in zip(tokens.tolist(), words.tolist(), reply.tolist()):
+            turns = [[]]
+            for x, is_own, is_reply in zip(row, own, fed):
+                if is_reply and turns[-1]:
+                    turns.append([])
+                if is_own:
+                    turns[-1].append(x)
+            completions.append(
+                "\n".join(self.tokenizer.batch_decode([t for t in turns if t], skip_special_tokens=True))
+            )
+        n = (words | reply | is_stop).sum(1)  # (N,)
+        ends = n - is_stop.gather(1, (n - 1).clamp(min=0)[:, None]).squeeze(1).long()  # (N,)
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
+        return completions, [decode(row[:e]) for row, e in zip(tokens.tolist(), ends.tolist())], self.states()
+
     def states(self):
         """Each row's environment state (N dicts), once its last turn has finished."""
         wait([p[0] for p in self._pending if p is not None])

@@ -239,14 +239,11 @@ def sample(
     tokens, logps, own, reply = (x.gather(1, keep) for x in (tokens, logps, own, reply))
     tokens = tokens.masked_fill(~(own | reply), pad_id)
     is_stop = torch.isin(tokens, stop) & own  # (N, C)
-    completions = own_text(tokenizer, tokens, own & ~is_stop, reply)
-    trajectories = completions
-    states = None
-    if env is not None:  # the conversation as the template writes it, the row's final stop token left out
-        n = (own | reply).sum(1)  # (N,)
-        ends = n - is_stop.gather(1, (n - 1).clamp(min=0)[:, None]).squeeze(1).long()  # (N,)
-        trajectories = [tokenizer.decode(row[:n], skip_special_tokens=False) for row, n in zip(tokens.tolist(), ends)]
-        states = env.states()
+    words = own & ~is_stop  # (N, C) the model's own words: its tokens, each turn's stop token left out
+    completions = tokenizer.batch_decode([t[w].tolist() for t, w in zip(tokens, words)], skip_special_tokens=True)
+    trajectories, states = completions, None
+    if env is not None:  # its words turn by turn, the whole conversation, the environments' states
+        completions, trajectories, states = env.texts(tokens, words, reply, is_stop)
     return Rollout(
         prompt_ids=ids.repeat_interleave(G, 0),
         prompt_mask=mask[:, : ids.size(1)],
@@ -261,21 +258,6 @@ def sample(
         env_state=states,
         examples=[e for e in examples for _ in range(G)],
     )
-
-
-def own_text(tokenizer, ids, keep, reply):
-    """The model's own words per row: the ids (N, C) under keep (N, C), special tokens skipped, one turn per stretch
-    between replies (N, C), the turns joined by a newline."""
-    out = []
-    for row, k, r in zip(ids.tolist(), keep.tolist(), reply.tolist()):
-        turns = [[]]
-        for x, is_own, is_reply in zip(row, k, r):
-            if is_reply and turns[-1]:
-                turns.append([])
-            if is_own:
-                turns[-1].append(x)
-        out.append("\n".join(tokenizer.batch_decode([t for t in turns if t], skip_special_tokens=True)))
-    return out
 
 
 def concat(rollouts):

@@ -10,8 +10,6 @@ import json
 import math
 import os
 import random
-import tempfile
-import urllib.request
 from functools import partial
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -64,37 +62,23 @@ def check_generated(split, ops="+", n=None, data_dir=None):  # a generator's che
     return n
 
 
-# gsm8k: from a local copy, or downloaded once and checked by sha256
-GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
-GSM8K_SHA256 = {
-    "train": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
-    "test": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
-}
 GSM8K_HINT = "pass --data-dir DIR or set GSM8K_DIR=DIR to a directory holding train.jsonl and test.jsonl"
 
 
 def load_gsm8k(split, data_dir=None):
     """GSM8K examples {"question", "answer" (gold number), "solution"} from data_dir, else $GSM8K_DIR (read as
-    is: an edited copy works), else the cache (downloaded on first use, checked by sha256)."""
+    is: an edited copy works), else the cache (downloaded on first use, checked by sha256: fetch.py)."""
     check_generated(split)
     data_dir = data_dir or os.environ.get("GSM8K_DIR")
     cache = Path(os.environ.get("GRPO_CACHE") or "~/.cache/grpo-mini").expanduser() / "gsm8k"
     path = (Path(data_dir).expanduser() if data_dir else cache) / f"{split}.jsonl"
     if data_dir and not path.is_file():
         raise DataError(f"GSM8K file not found: {path}; {GSM8K_HINT}")
-    if not path.is_file():  # download, then rename into place once the sha256 checks out
-        url = GSM8K_URL.format(split=split)
-        try:
-            with urllib.request.urlopen(url, timeout=20) as r:
-                data = r.read()
-        except OSError as e:  # URLError, timeouts, refused connections are all OSErrors
-            raise DataError(f"could not download GSM8K from {url} ({e}); {GSM8K_HINT}") from None
-        if (got := hashlib.sha256(data).hexdigest()) != GSM8K_SHA256[split]:
-            raise DataError(f"downloaded {url} has sha256 {got}, expected {GSM8K_SHA256[split]}; {GSM8K_HINT}")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".part", delete=False) as f:  # ranks may race
-            f.write(data)
-        os.replace(f.name, path)  # atomic: a reader never sees half a file
+    if not path.is_file():
+        import fetch
+
+        if problem := fetch.gsm8k(split, path):
+            raise DataError(f"{problem}; {GSM8K_HINT}")
     examples = []
     for lineno, raw in enumerate(path.read_bytes().split(b"\n"), 1):  # bytes: a bad byte is reported with its line
         try:
@@ -176,35 +160,25 @@ TASKS = {  # each task its own dicts: editing one task's weights leaves the othe
 }
 
 
-def options_of(fn, *skip):
-    """fn's keyword options and their defaults (its parameters with a default, those in skip aside)."""
-    params = inspect.signature(fn).parameters.values()
-    return {p.name: p.default for p in params if p.default is not p.empty and p.name not in skip}
-
-
-def _like(value, default):  # the default's type (an int for a float too); a default of None takes anything
-    if default is None:
-        return True
-    if isinstance(default, float):
-        return type(value) in (int, float)
-    return type(value) is type(default)
-
-
 def with_options(task, name, options):
     """`task` with task_options bound: each a keyword of its load (arith: digits, ops, seed, n) or of its environment
-    (arith_retry: max_attempts), checked against that keyword's default type; ValueError in one line otherwise."""
-    takes = {"load": options_of(task.load, "data_dir"), "env": options_of(task.env, "tokenizer") if task.env else {}}
+    (arith_retry: max_attempts), of its default's type (a float takes an int too); ValueError in one line otherwise."""
+    takes = {}  # option -> (its function, its default)
+    for fn in filter(None, (task.load, task.env)):
+        params = inspect.signature(fn).parameters.values()
+        takes.update({p.name: (fn, p.default) for p in params if p.default is not p.empty and p.name != "data_dir"})
     for key, value in options.items():
-        default = takes["load"].get(key, takes["env"].get(key))
-        if key not in takes["load"] and key not in takes["env"]:
-            listing = ", ".join(f"{k}={v!r}" for part in takes.values() for k, v in part.items()) or "none"
+        if key not in takes:
+            listing = ", ".join(f"{k}={d!r}" for k, (_, d) in takes.items()) or "no options"
             raise ValueError(f"task_options {key!r}: task {name} takes {listing}")
-        if not _like(value, default):
+        default = takes[key][1]
+        kinds = (int, float) if isinstance(default, float) else (type(default),)
+        if default is not None and type(value) not in kinds:
             raise ValueError(f"task_options {key!r} must be like its default {default!r}, got {value!r}")
-    load = partial(task.load, **{k: v for k, v in options.items() if k in takes["load"]})
-    if task.env is None:
-        return task._replace(load=load)
-    return task._replace(load=load, env=partial(task.env, **{k: v for k, v in options.items() if k in takes["env"]}))
+    task = task._replace(load=partial(task.load, **{k: v for k, v in options.items() if takes[k][0] is task.load}))
+    if task.env:
+        task = task._replace(env=partial(task.env, **{k: v for k, v in options.items() if takes[k][0] is task.env}))
+    return task
 
 
 def get(name, options=None):
@@ -215,6 +189,9 @@ def get(name, options=None):
     import extra_tasks  # the other tasks, imported only when one is named
 
     return extra_tasks.get(name, options or {})
+
+
+SCORES = {"strict": "strict_acc", "flexible": "flexible_acc", "format": "format_rate", "score": "score"}  # evaluate's
 
 
 def pass_at_k(n, c, k):
@@ -251,8 +228,7 @@ def evaluate(
     stops = stop_token_ids(tokenizer, model)
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     per_batch = max(1, batch_size // n)
-    records = []
-    correct = []  # how many of an example's n are right
+    records, correct = [], []  # one record an example; how many of its n are right
     with tqdm(total=len(examples), desc="eval", unit="problem", disable=not progress, leave=False) as bar:
         for i in range(0, len(examples), per_batch):
             batch = examples[i : i + per_batch]
@@ -270,36 +246,27 @@ def evaluate(
                 env=env,
                 examples=batch,
             )
-            states = r.env_state
             for j, ex in enumerate(batch):
-                outs = r.completions[j * n : (j + 1) * n]
-                scores = [task.score(c, ex, s) for c, s in zip(outs, states[j * n : (j + 1) * n])]
+                rows = range(j * n, (j + 1) * n)
+                scores = [task.score(r.completions[k], ex, r.env_state[k]) for k in rows]
                 correct.append(sum(bool(s["strict"]) for s in scores))
-                records.append(
-                    {
-                        "question": ex["question"],
-                        "gold": ex["answer"],
-                        "completion": outs[0],
-                        "pred": scores[0]["pred"],
-                        "correct": scores[0]["strict"],
-                        **{k: sum(s[k] for s in scores) / n for k in ("strict", "flexible", "format")},
-                        **({"score": sum(s["score"] for s in scores) / n} if "score" in scores[0] else {}),
-                        **({"source": ex["source"]} if "source" in ex else {}),
-                        **({"completions": outs} if n > 1 else {}),
-                        **({"trajectory": r.trajectories[j * n]} if env is not None else {}),
-                        **{k: sum(s[k] for s in states[j * n : (j + 1) * n]) / n for k in states[j * n]},
-                    }
-                )
+                record = {"question": ex["question"], "gold": ex["answer"], "completion": r.completions[j * n]}
+                record.update(pred=scores[0]["pred"], correct=scores[0]["strict"], source=ex.get("source"))
+                record.update({k: sum(s[k] for s in scores) / n for k in scores[0] if k != "pred"})  # strict, ...
+                record["env"] = {k: sum(r.env_state[x][k] for x in rows) / n for k in r.env_state[j * n]}
+                if n > 1:
+                    record["completions"] = r.completions[j * n : (j + 1) * n]
+                if env is not None:  # the conversation, replies included
+                    record["trajectory"] = r.trajectories[j * n]
+                records.append(record)
             bar.update(len(batch))
     m = max(len(records), 1)
-    names = {"strict": "strict_acc", "flexible": "flexible_acc", "format": "format_rate"}
-    if records:  # the environments' states, averaged
-        names.update({k: f"env/{k}" for k in states[0]})
-    if records and "score" in records[0]:  # a partial-credit mean
-        names["score"] = "score"
-    summary = {"n_examples": len(records), **{name: sum(r[k] for r in records) / m for k, name in names.items()}}
-    for source in sorted({r["source"] for r in records if "source" in r}):  # a mix: which task moved
-        mine = [r["strict"] for r in records if r.get("source") == source]
+    summary = {"n_examples": len(records)}
+    if records:  # accuracies, a partial-credit mean; the environments' states
+        summary.update({SCORES[k]: sum(x[k] for x in records) / m for k in records[0] if k in SCORES})
+        summary.update({f"env/{k}": sum(x["env"][k] for x in records) / m for k in records[0]["env"]})
+    for source in sorted({x["source"] for x in records} - {None}):  # a mix: which task moved
+        mine = [x["strict"] for x in records if x["source"] == source]
         summary[f"strict_acc/{source}"] = sum(mine) / len(mine)
     if n > 1:
         ks = sorted({2**j for j in range(n.bit_length())} | {n})  # 1, 2, 4, ... up to n, and n

@@ -830,7 +830,7 @@ def test_evaluate_counts_tool_calls_per_example_and_in_the_summary():
         env=stub(tok, max_calls=2),
     )
     # by hand, per example the mean of its 2 samples: calls (1 + 0) / 2, (3 + 1) / 2, 0; errors 0, (2 + 1) / 2, 0
-    assert [(x["tool_calls"], x["tool_errors"], x["called"]) for x in records] == [
+    assert [(x["env"]["tool_calls"], x["env"]["tool_errors"], x["env"]["called"]) for x in records] == [
         (0.5, 0.0, 0.5),
         (2.0, 1.5, 1.0),
         (0.0, 0.0, 0.0),
@@ -844,7 +844,7 @@ def test_evaluate_counts_tool_calls_per_example_and_in_the_summary():
     summary, records = evaluate(
         Forced(model, greedy), tok, task, examples[:2], max_new_tokens=26, batch_size=2, progress=False
     )
-    assert [(x["tool_calls"], x["called"]) for x in records] == [(2.0, 1.0), (0.0, 0.0)]
+    assert [(x["env"]["tool_calls"], x["env"]["called"]) for x in records] == [(2.0, 1.0), (0.0, 0.0)]
     assert records[0]["completion"] == "w10 w5\nw5"
     frame = frame.replace("user w1", "user w2")
     assert records[0]["trajectory"] == f"w10 w5 {frame} w5 {frame}"
@@ -853,7 +853,7 @@ def test_evaluate_counts_tool_calls_per_example_and_in_the_summary():
     summary, records = evaluate(
         Forced(model, greedy), tok, toy.TASK, examples[:2], max_new_tokens=10, batch_size=2, progress=False
     )
-    assert not any(k.startswith("env/") for k in summary) and "tool_calls" not in records[0]
+    assert not any(k.startswith("env/") for k in summary) and records[0]["env"] == {}
     assert "trajectory" not in records[0]
 
 

@@ -564,17 +564,20 @@ def test_a_reply_holding_control_tokens_is_fed_as_text(smol_tok):
 def test_a_tool_that_prints_the_right_answer_earns_nothing(smol_tok):
     """Fails if completions hold the environment's replies: a tool's `#### 69104` would score as the model's answer."""
     from rewards import correctness_reward, extract_flexible
-    from rollout import own_text
 
     env = make_env([echo], smol_tok)
     call, tail = ids(smol_tok, "<echo>#### 69104</echo>"), ids(smol_tok, "<|im_end|>")
     reply = env.frame(env.make.message("echo", "#### 69104"), False)
     row = torch.tensor([call + reply + tail])
-    own = torch.tensor([[True] * len(call) + [False] * len(reply) + [False]])  # the stop token left out
+    words = torch.tensor([[True] * len(call) + [False] * len(reply) + [False]])  # the stop token left out
     is_reply = torch.tensor([[False] * len(call) + [True] * len(reply) + [False]])
-    completions = own_text(smol_tok, row, own, is_reply)
+    is_stop = torch.tensor([[False] * (len(call) + len(reply)) + [True]])
+    env.reset([{}], [""], 1)
+    completions, trajectories, _ = env.texts(row, words, is_reply, is_stop)
     assert completions == ["<echo>#### 69104</echo>"]  # the model's call, as it wrote it: its own words
-    completions = own_text(smol_tok, row[:, len(call) :], own[:, len(call) :], is_reply[:, len(call) :])
+    assert trajectories == [smol_tok.decode(call + reply)]  # the reply is in the conversation, the final stop not
+    cut = slice(len(call), None)
+    completions, _, _ = env.texts(row[:, cut], words[:, cut], is_reply[:, cut], is_stop[:, cut])
     assert completions == [""] and correctness_reward(completions, ["69104"]) == [0.0]
     assert extract_flexible(completions[0]) is None
 
