@@ -208,9 +208,15 @@ def python_prompt(example):  # one worked call as earlier turns, as tool_prompt'
 
 def python_tool(tokenizer, max_calls=4, max_reply_tokens=64, **_):  # the sandboxed interpreter; says how it is confined
     import envs
+    import sandbox
 
-    print(envs.sandbox_protections(), flush=True)
-    return envs.ToolEnv([envs.python], tokenizer, max_calls, envs.PY_TIMEOUT + 5, max_reply_tokens=max_reply_tokens)
+    try:
+        print(sandbox.sandbox_protections(), flush=True)
+    except RuntimeError as e:  # no confined interpreter starts here: one line, no traceback
+        raise SystemExit(f"error: {e}") from None
+    # no timeout of the row's own: a call returns at its own timeout, once all it started has ended, so the pool's
+    # workers bound the sandboxes running at once
+    return envs.ToolEnv([envs.python], tokenizer, max_calls, None, max_reply_tokens=max_reply_tokens)
 
 
 EXTRA["gsm8k_python"] = Task(
