@@ -9,28 +9,19 @@ again. A tool is a plain function: its name, type hints and Google-style docstri
 One call per assistant turn: the environment replies at the first complete call."""
 
 import ast
-import functools
 import inspect
-import itertools
 import json
 import math
 import operator
-import os
 import re
-import select
-import shutil
-import signal
-import stat
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 from collections import deque
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import torch
 from transformers.utils import get_json_schema
+
+import sandbox
 
 MAX_CHARS, MAX_DIGITS, MAX_EXPONENT = 200, 100, 64  # far beyond word-problem arithmetic; each op stays instant
 OPS = {
@@ -407,7 +398,8 @@ class ToolRow:
 
     def run(self, name, args, kwargs):
         """A call -> (text, is_error). It runs in a daemon thread joined up to the timeout: a call past it is
-        abandoned (Python cannot stop a thread), its result dropped; the calculator bounds its own work."""
+        abandoned (Python cannot stop a thread), its result dropped; the calculator bounds its own work. timeout None:
+        joined until it returns (python bounds its own time and returns once all it started has ended)."""
         tools = self.tools
         if self.calls >= tools.max_calls:
             return "error: call limit reached; give your answer", True
@@ -469,110 +461,7 @@ class FeedbackEnv:
         return {"attempts": len(self.results), "first_correct": float(first), "final_correct": float(final)}
 
 
-# --- python: code in a sandboxed subprocess
-# A fresh interpreter per call, started by a small wrapper (SANDBOX_MAIN) that confines itself, then execs it. The
-# wrapper, not a preexec_fn, does the setup: a preexec_fn is unsafe in a process with threads (the rollout's).
-
-
-PY_TIMEOUT = 5.0  # wall seconds per call; the caller's own timeout must be longer to see this one's message
-PY_LIMITS = {  # per process: a 10 GB list is a MemoryError, a fork bomb stops at 64 processes
-    "RLIMIT_AS": 1 << 30,
-    "RLIMIT_FSIZE": 16 << 20,
-    "RLIMIT_NPROC": 64,
-    "RLIMIT_NOFILE": 64,
-    "RLIMIT_CORE": 0,
-}
-PY_READ = 64 << 10  # bytes read at most: past it the program is stopped
-PY_SHOW = 400  # characters shown: a reply costs the row's tokens
-PY_DISK = "32m"  # its directory is a tmpfs of this size where a mount namespace is made
-# a fresh unused uid per call (never reused while a process runs: a killed process's zombie still counts for
-# RLIMIT_NPROC until reaped), so limits and kills reach that call alone; the pid keeps processes apart
-PY_UID = 2_000_000_000
-PY_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
-_calls = itertools.count()  # next() is atomic: threads get distinct numbers
-
-SANDBOX_MAIN = r"""
-import ctypes, json, os, resource, signal, struct, sys
-conf = json.loads(sys.argv[1])
-libc = ctypes.CDLL(None, use_errno=True)
-L = ctypes.c_long
-NEWNS, NEWCGROUP, NEWUTS, NEWIPC = 0x20000, 0x2000000, 0x4000000, 0x8000000  # clone(2) flags
-NEWUSER, NEWPID, NEWNET = 0x10000000, 0x20000000, 0x40000000
-NOSUID_NODEV, BIND_REC, REC_PRIVATE = 0x2 | 0x4, 0x1000 | 0x4000, 0x4000 | 0x40000
-
-
-def ok(ret, what):
-    if ret < 0:
-        raise OSError(ctypes.get_errno(), what)
-    return ret
-
-
-def mount(src, dst, fstype, flags, data=None):
-    args = src and src.encode(), dst.encode(), fstype and fstype.encode(), L(flags), data and data.encode()
-    ok(libc.mount(*args), dst)
-
-
-ok(libc.prctl(1, L(signal.SIGKILL)), "pdeathsig")  # its caller gone: gone too
-if os.getppid() != conf["ppid"]:
-    os._exit(126)
-cwd, uid, exe = os.getcwd(), conf["uid"], conf["exe"]
-owner = os.getuid() if uid is None else uid
-with open("main.py", "rb") as f:
-    code = f.read()
-if conf["ns"]:  # a net namespace holds only a loopback, down; the pid one dies with its init
-    gid = os.getgid()
-    ok(libc.unshare(L(NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWPID | NEWNET | NEWUSER * conf["userns"])), "unshare")
-    if conf["userns"]:
-        maps = ("setgroups", "deny"), ("uid_map", "%d %d 1" % (owner, owner)), ("gid_map", "%d %d 1" % (gid, gid))
-        for name, text in maps:  # the same ids inside: files it makes are its own
-            with open("/proc/self/" + name, "w") as f:
-                f.write(text)
-    mount(None, "/", None, REC_PRIVATE)  # nothing mounted here shows outside
-    for hidden, path in conf["reveal"]:  # the interpreter under a directory its uid cannot enter (/root): only it
-        stash = os.path.join(cwd, "stash")
-        os.mkdir(stash)
-        mount(path, stash, None, BIND_REC)
-        mount("tmpfs", hidden, "tmpfs", NOSUID_NODEV, "mode=0755")
-        os.makedirs(path)
-        mount(stash, path, None, BIND_REC)
-        ok(libc.umount2(stash.encode(), 2), "umount")
-    mount("tmpfs", cwd, "tmpfs", NOSUID_NODEV, "size=%s,mode=0700,uid=%d,gid=%d" % (conf["disk"], owner, owner))
-    os.chdir(cwd)  # the tmpfs, not the directory under it
-    with open("main.py", "wb") as f:
-        f.write(code)
-    os.chown("main.py", owner, owner)
-for name, value in conf["limits"].items():
-    resource.setrlimit(getattr(resource, name), (value, value))
-if uid is not None:
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
-ok(libc.prctl(38, L(1), L(0), L(0), L(0)), "no_new_privs")
-if conf["landlock"]:  # writes only in cwd, reads of system and interpreter files only, no TCP, no signals out
-    abi = ok(libc.syscall(L(444), None, L(0), L(1)), "landlock")
-    fs = (1 << {1: 13, 2: 14, 3: 15, 4: 15}.get(abi, 16)) - 1
-    attr = struct.pack("QQQ", fs, 3, 3)[: {1: 8, 2: 8, 3: 8, 4: 16, 5: 16}.get(abi, 24)]
-    ruleset = ok(libc.syscall(L(444), attr, L(len(attr)), L(0)), "landlock ruleset")
-    rules = [(p, 13 if os.path.isdir(p) else 5) for p in conf["read"]]  # execute, read files (and dirs)
-    rules += [("/dev/null", 6), ("/dev/urandom", 4), (cwd, fs)]
-    for path, rights in rules:
-        if os.path.exists(path):
-            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-            ok(libc.syscall(L(445), L(ruleset), L(1), struct.pack("=Qi", rights & fs, fd), L(0)), path)
-            os.close(fd)
-    ok(libc.syscall(L(446), L(ruleset), L(0)), "landlock restrict")
-if conf["ns"]:  # its first child is the namespace's init: when it ends, the kernel kills all it started
-    pid = os.fork()
-    if pid:
-        status = os.waitpid(pid, 0)[1]
-        if os.WIFSIGNALED(status) and os.WTERMSIG(status) != signal.SIGKILL:
-            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
-        if os.WIFSIGNALED(status):
-            os.kill(os.getpid(), os.WTERMSIG(status))
-        os._exit(os.waitstatus_to_exitcode(status) % 256)
-    libc.prctl(1, L(signal.SIGKILL))
-os.execv(exe, [exe, "-I", "-S", "-B", "-X", "utf8", "main.py"])
-"""
+# --- python: code run by sandbox.py, its reply made for the model
 
 
 def python(code: str) -> str:
@@ -581,208 +470,10 @@ def python(code: str) -> str:
     Args:
         code: the program; print the result, e.g. "print(48 / 2 + 48)"
     """
-    text, status = run_python(code)
-    if status is not None:
-        raise RuntimeError(f"{status}: {text}")
-    return text or "(no output: print the result)"
-
-
-def sandbox_protections():
-    """One line: what confines a python call here (printed at start-up by a task that uses it)."""
-    return _sandbox()[1]
-
-
-def run_python(code, timeout=PY_TIMEOUT):
-    """Run `code` confined as sandbox_protections() says -> (text, status): status None when it exited 0, else one
-    short line (exit code, signal, timeout, output cut); text its stdout and stderr as they came, decoded with
-    U+FFFD for bytes that are not UTF-8, the head shown (the tail after a failure: a traceback's last line)."""
-    conf = _sandbox()[0]
-    out, status = _run(conf, code, timeout)
-    text = out.decode("utf-8", errors="replace")
-    if len(text) > PY_SHOW and status is None:
-        text = text[:PY_SHOW] + f" [cut: {len(out)} bytes]"
-    if len(text) > PY_SHOW and status is not None:
-        text = f"[cut: {len(out)} bytes] " + text[-PY_SHOW:]
-    return text, status
-
-
-@functools.cache
-def _sandbox():
-    """The strongest configuration whose interpreter starts here -> (config, line). As root the code runs as an
-    unused uid or not at all."""
-    root = os.geteuid() == 0
-    for ns, landlock in (True, True), (True, False), (False, True), (False, False):
-        conf = _config(PY_UID if root else None, ns, ns and not root, landlock)
-        if _run(conf, "print(6 * 7)", 10.0) == (b"42\n", None):
-            return conf, _describe(conf)
-    raise RuntimeError("python sandbox: no confined interpreter starts here (as root: none as another uid)")
-
-
-def _config(uid, ns, userns, landlock):
-    prefix = os.path.realpath(sys.base_prefix)
-    hidden = None
-    for i in range(1, len(prefix.split("/"))):  # the first directory on the way others may not enter (/root)
-        step = "/".join(prefix.split("/")[: i + 1])
-        if hidden is None and uid is not None and not os.stat(step).st_mode & stat.S_IXOTH:
-            hidden = step
-    limits = dict(PY_LIMITS)
-    if uid is None and not userns:  # RLIMIT_NPROC counts all the user's processes, not this call's
-        del limits["RLIMIT_NPROC"]
-    return {
-        "uid": uid,
-        "exe": os.path.realpath(sys.executable),
-        "ns": ns,
-        "userns": userns,
-        "landlock": landlock,
-        "reveal": [[hidden, prefix]] if hidden else [],
-        "limits": limits,
-        "disk": PY_DISK,
-        "read": ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/etc/ld.so.cache", prefix],
-    }
-
-
-def _describe(conf):
-    limits = conf["limits"]
-    nproc = limits.get("RLIMIT_NPROC", "unbounded")
-    parts = [
-        f"python sandbox: a fresh interpreter, rlimits (cpu, {limits['RLIMIT_AS'] >> 20} MiB memory, "
-        f"{limits['RLIMIT_FSIZE'] >> 20} MiB files, processes {nproc}), own process group, scrubbed env"
-    ]
-    if conf["uid"] is not None:
-        parts.append("a fresh uid per call")
-    if conf["ns"]:
-        parts.append(f"namespaces: no network, own pids (all it starts dies with it), a {conf['disk']} tmpfs dir")
-    if conf["landlock"]:
-        parts.append("Landlock: writes only in its dir, reads of system files only, no TCP")
-    if not conf["ns"]:
-        parts.append("network NOT cut")
-    if not conf["ns"] and conf["uid"] is None:  # only its process group is killed
-        parts.append("a process that leaves its process group may outlive the call")
-    if not conf["landlock"]:
-        parts.append("writes NOT confined beyond file permissions")
-    if not (conf["ns"] and conf["landlock"]):
-        parts.append("not a security boundary")
-    return "; ".join(parts)
-
-
-def _run(conf, code, timeout):
-    """One call: its uid, a temp dir, the wrapper; everything it started killed and the dir removed after,
-    whatever happened -> (output bytes, status)."""
-    uid = conf["uid"]
-    if uid is not None:
-        uid += os.getpid() % 20_000 * 100_000 + next(_calls) % 100_000  # < 2**32 - 1
-    cpu = math.ceil(timeout) + 1  # CPU seconds: a busy loop ends here even if the wall clock check were missed
-    conf = {**conf, "uid": uid, "ppid": os.getpid(), "limits": {**conf["limits"], "RLIMIT_CPU": cpu}}
-    workdir = tempfile.mkdtemp(prefix="grpo-python-")
-    try:
-        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="surrogatepass") as f:
-            f.write(code)
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-            os.chown(os.path.join(workdir, "main.py"), uid, uid)
-        argv = [conf["exe"], "-I", "-S", "-B", "-c", SANDBOX_MAIN, json.dumps(conf)]
-        proc = subprocess.Popen(
-            argv,
-            cwd=workdir,
-            env=PY_ENV,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            return _read(proc, timeout)
-        finally:
-            _kill(proc, conf)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _read(proc, timeout):
-    """Its output until it exits, up to PY_READ bytes and the timeout -> (bytes, status); it is not reaped here, so
-    its pid (its group's id) stays its own until everything is killed."""
-    deadline = time.monotonic() + timeout
-    out = bytearray()
-    eof = False
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return bytes(out), f"timed out after {timeout:g} s"
-        if len(out) > PY_READ:
-            return bytes(out), f"stopped after {PY_READ} bytes of output"
-        if not eof and select.select([proc.stdout], [], [], min(left, 0.05))[0]:
-            chunk = os.read(proc.stdout.fileno(), 1 << 16)
-            out += chunk
-            eof = not chunk
-            continue
-        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        if info is not None:
-            return bytes(out), _status(info)
-        if eof:
-            time.sleep(min(left, 0.01))
-
-
-def _status(info):
-    if info.si_code == os.CLD_EXITED and info.si_status == 0:
-        return None
-    if info.si_code == os.CLD_EXITED:
-        return f"exit {info.si_status}"
-    name = signal.Signals(info.si_status).name
-    if info.si_status == signal.SIGXCPU:
-        name += " (CPU limit)"
-    return f"killed by {name}"
-
-
-def _kill(proc, conf):
-    """Everything the call started, ended before the reply. With namespaces: its init killed, then the wrapper (which
-    waits for it) reaped: the kernel ends an init only once every other process of its namespace has ended. Then its
-    process group; without namespaces, every process of its uid, until none is left."""
-    kids = []
-    if conf["ns"]:
-        try:
-            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-                kids = [int(pid) for pid in f.read().split()]
-        except OSError:  # the wrapper is gone
-            pass
-    for pid in kids:
-        _signal(os.kill, pid)
-    if kids:
-        try:
-            proc.wait(10.0)
-        except subprocess.TimeoutExpired:
-            pass
-    if proc.returncode is None:  # not reaped: its pid is still its group's
-        _signal(os.killpg, proc.pid)
-    uid = conf["uid"]
-    for _ in range(100):  # as root, without namespaces: every process of its uid, none of anyone else's
-        pids = []
-        if uid is not None and not conf["ns"]:
-            pids = _uid_pids(uid)
-        if not pids:
-            break
-        for pid in pids:
-            _signal(os.kill, pid)
-        time.sleep(0.01)
-    proc.wait()
-    proc.stdout.close()
-
-
-def _signal(kill, pid):
-    try:
-        kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _uid_pids(uid):
-    """Pids of the live processes (zombies aside) whose real, effective or saved uid is uid."""
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:  # ended meanwhile
-            continue
-        if str(uid) in fields.get("Uid", "").split()[:3] and not fields.get("State", "").strip().startswith("Z"):
-            pids.append(int(pid))
-    return pids
+    text, status = sandbox.run_python(code)
+    if status is None:
+        return text or "(no output: print the result)"
+    before, _, last = text.rstrip().rpartition("\n")
+    if status.startswith("exit") and last:  # a traceback's last line names the error: first, as a reply keeps its head
+        raise RuntimeError(f"{last} ({status})\n{before}".rstrip())
+    raise RuntimeError(f"{status}\n{text}".rstrip())

@@ -203,15 +203,18 @@ def python_prompt(example):  # one worked call as earlier turns, as tool_prompt'
     ]
 
 
-def python_tool(
-    tokenizer, *, max_tool_calls=4, max_reply_tokens=64
-):  # the sandboxed interpreter; says how it's confined
+def python_tool(tokenizer, *, max_tool_calls=4, max_reply_tokens=64):  # the sandboxed interpreter, as confined
     import envs
+    import sandbox
 
-    print(envs.sandbox_protections(), flush=True)
-    timeout = envs.PY_TIMEOUT + 5
+    try:
+        print(sandbox.sandbox_protections(), flush=True)
+    except RuntimeError as e:  # no confined interpreter starts here: one line, no traceback
+        raise SystemExit(f"error: {e}") from None
+    # no timeout of the row's own: a call returns at its own timeout, once all it started has ended, so the pool's
+    # workers bound the sandboxes running at once
     return envs.ToolEnv(
-        [envs.python], tokenizer, max_calls=max_tool_calls, timeout=timeout, max_reply_tokens=max_reply_tokens
+        [envs.python], tokenizer, max_calls=max_tool_calls, timeout=None, max_reply_tokens=max_reply_tokens
     )
 
 

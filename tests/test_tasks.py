@@ -1,13 +1,11 @@
 import doctest
 import hashlib
-import json
-import os
 import re
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, make_tokenizer
+from conftest import FULL, FULL_COUNTS, VOCAB, make_tokenizer
 
 import extra_tasks
 import fetch
@@ -25,13 +23,6 @@ def test_docstring_examples():
     assert result.attempted > 0 and result.failed == 0  # a module whose examples were all lost runs none
 
 
-FULL = Path(os.environ.get("GSM8K_DIR") or REPO.parent / "shared" / "data" / "gsm8k")  # the canonical files, if here
-FULL_COUNTS = {"train": 7473, "test": 1319}
-# 5 train and 5 test lines, the first of each file, of openai/grade-school-math (MIT License, Copyright (c) 2021
-# OpenAI; https://github.com/openai/grade-school-math), each with its split added: no network in tests
-SAMPLE = REPO / "tests" / "gsm8k_sample.jsonl"
-
-
 @pytest.fixture
 def gsm8k_full():
     """The canonical GSM8K jsonl files kept beside the repo, for what only they have (their sha256, their sizes)."""
@@ -41,22 +32,6 @@ def gsm8k_full():
             f"{FULL}; set GSM8K_DIR"
         )
     return FULL
-
-
-@pytest.fixture
-def gsm8k_dir(tmp_path):
-    """(a GSM8K dir, {split: its number of examples}): the canonical files if kept beside the repo, else train.jsonl
-    and test.jsonl written from tests/gsm8k_sample.jsonl, so these tests run on a fresh clone too."""
-    if all((FULL / f"{split}.jsonl").is_file() for split in FULL_COUNTS):
-        return FULL, FULL_COUNTS
-    lines = {"train": [], "test": []}
-    for line in SAMPLE.read_text(encoding="utf-8").splitlines():
-        row = json.loads(line)
-        lines[row.pop("split")].append(json.dumps(row) + "\n")  # the file's own line, byte for byte
-    (tmp_path / "gsm8k").mkdir()
-    for split, rows in lines.items():
-        (tmp_path / "gsm8k" / f"{split}.jsonl").write_text("".join(rows), encoding="utf-8")
-    return tmp_path / "gsm8k", {split: len(rows) for split, rows in lines.items()}
 
 
 @pytest.fixture
