@@ -16,6 +16,7 @@ import operator
 import re
 import threading
 from collections import deque
+from functools import partial
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import torch
@@ -232,7 +233,7 @@ class EnvDriver:
             )
         n = (words | reply | is_stop).sum(1)  # (N,)
         ends = n - is_stop.gather(1, (n - 1).clamp(min=0)[:, None]).squeeze(1).long()  # (N,)
-        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
+        decode = partial(self.tokenizer.decode, skip_special_tokens=False)
         return completions, [decode(row[:e]) for row, e in zip(tokens.tolist(), ends.tolist())], self.states()
 
     def states(self):
