@@ -529,18 +529,22 @@ def python_rollout(real_model, gsm8k_dir, monkeypatch, program, budget):
     """gsm8k_python on SmolLM2, 2 GSM8K test questions: row 0 made to call python with program (a forced prefix), row
     1 decoding greedily (script -1: its own choice) -> (rollout, the call's ids, the env)."""
     import extra_tasks
-    from rollout import sample
+    from rollout import Sampler, sample
     from test_tool_rollouts import Forced
 
     model, tok = real_model
     monkeypatch.setenv("GSM8K_DIR", str(gsm8k_dir[0]))  # the canonical files, else the sample: no download
-    task = extra_tasks.get("gsm8k_python")
-    env = task.tools(tok, 2)
+    task = extra_tasks.get("gsm8k_python", {"max_tool_calls": 2})
+    env = task.env(tok)
     assert isinstance(env, ToolEnv) and env.format == "tags"
     call = tok(f"<python>{program}</python>", add_special_tokens=False)["input_ids"]
     end = tok.convert_tokens_to_ids("<|im_end|>")
     prompts = [task.prompt(ex) for ex in task.load("test")[:2]]
-    r = sample(Forced(model, [call, [-1]]), tok, prompts, 1, len(call) + budget, [end], temperature=0.0, env=env)
+    budget = len(call) + budget
+    greedy = Sampler(temperature=0.0)
+    r = sample(
+        Forced(model, [call, [-1]]), tok, prompts, 1, max_new_tokens=budget, stop_ids=[end], sampler=greedy, env=env
+    )
     return r, call, env
 
 
@@ -555,10 +559,10 @@ def test_real_gsm8k_python_rollout(real_model, gsm8k_dir, monkeypatch):
     n, m = len(call), len(call) + len(reply)
     assert r.completion_ids[0, :n].tolist() == call and r.completion_ids[0, n:m].tolist() == reply
     assert r.env_mask[0, n:m].all() and not r.env_mask[0, :n].any() and r.completion_mask[0, m]
-    assert r.tool_calls[0] >= 1 and r.tool_errors[0] == 0
+    assert r.env_state[0]["tool_calls"] >= 1 and r.env_state[0]["tool_errors"] == 0
     for i in range(2):  # each reply a run of env tokens, one call counted per run
         spans = int((r.env_mask[i, 1:] & ~r.env_mask[i, :-1]).sum()) + int(r.env_mask[i, 0])
-        assert r.tool_calls[i] == spans, i
+        assert r.env_state[i]["tool_calls"] == spans, i
     assert not (r.completion_mask.bool() & r.env_mask).any() and torch.all(r.sample_logp[r.env_mask] == 0)
 
 
@@ -573,4 +577,4 @@ def test_real_failing_call_reply_shows_the_error(real_model, gsm8k_dir, monkeypa
     length = int(r.env_mask[0, n:].long().cumprod(0).sum())  # the reply: the env tokens right after the call
     assert 0 < length and env.max_reply_tokens == 64
     read = tok.decode(r.completion_ids[0, n : n + length])
-    assert r.tool_errors[0] == 1 and "ZeroDivisionError: division by zero" in read, read
+    assert r.env_state[0]["tool_errors"] == 1 and "ZeroDivisionError: division by zero" in read, read
