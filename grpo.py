@@ -25,10 +25,8 @@ def _check_shape(shape, **tensors):  # None passes: an optional input
 
 
 def _check_groups(n, group_size):  # a group of one has no baseline
-    _check(
-        isinstance(group_size, int) and group_size >= 2 and n % group_size == 0,
-        f"group_size must be an int >= 2 that divides the number of rows ({n}), got {group_size!r}",
-    )
+    ok = isinstance(group_size, int) and group_size >= 2 and n % group_size == 0
+    _check(ok, f"group_size must be an int >= 2 that divides the number of rows ({n}), got {group_size!r}")
 
 
 def _up(x):  # exp/ratio math in at least fp32: bf16 has ~3 significant digits
@@ -250,14 +248,11 @@ def aggregate(per_token, mask, aggregation="grpo", *, num_sequences=None, num_to
     _check_shape(per_token.shape, mask=mask)
     N, T = per_token.shape
     mask = mask.bool()
-    if max_new_tokens is None:
-        max_new_tokens = T
+    max_new_tokens = T if max_new_tokens is None else max_new_tokens
     _check(max_new_tokens >= T, f"max_new_tokens ({max_new_tokens}) must be >= the completion length T ({T})")
-    if num_sequences is None:
-        num_sequences = N
-    if num_tokens is None:
-        num_tokens = mask.sum()
-    return AGGREGATIONS[aggregation](torch.where(mask, per_token, 0.0), mask, num_sequences, num_tokens, max_new_tokens)
+    n_seq = N if num_sequences is None else num_sequences
+    n_tok = mask.sum() if num_tokens is None else num_tokens
+    return AGGREGATIONS[aggregation](torch.where(mask, per_token, 0.0), mask, n_seq, n_tok, max_new_tokens)
 
 
 @dataclass(frozen=True)
@@ -288,11 +283,10 @@ class Objective:
         _check_choice("--loss-type", self.loss_type, LOSS_TYPES)
         _check_choice("--importance-level", self.importance_level, IMPORTANCE_LEVELS)
         _check_choice("--is-mode", self.is_mode, BEHAVIOUR_MODES)
-        if self.aggregation is not None:
-            _check_choice("aggregation", self.aggregation, AGGREGATIONS)
         eh = self.eps if self.eps_high is None else self.eps_high
         object.__setattr__(self, "eps_high", eh)  # frozen: resolved once, here; the checks below fail on NaN too
         object.__setattr__(self, "aggregation", self.aggregation or LOSS_TYPES[self.loss_type][1])
+        _check_choice("aggregation", self.aggregation, AGGREGATIONS)
         _check(eh >= self.eps, f"--eps-high {eh} < --eps {self.eps}: clip-higher needs eps_high >= eps")
         _check(self.delta is None or self.delta > 1 + eh, f"--delta {self.delta} must be > 1 + eps_high = {1 + eh}")
         _check(self.cispo_cap >= 1, f"cispo_cap must be >= 1, got {self.cispo_cap}")

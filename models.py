@@ -84,14 +84,14 @@ def _why(e, n=200):  # an exception as one short line: its type and the start of
 
 
 def _gguf_to_hf(gguf_path):
-    """A GGUF file as a cached bf16 HF folder of plain, trainable weights (fetch.py converts it on first use)."""
+    """A GGUF file as a cached bf16 HF folder of plain, trainable weights (convert.py converts it on first use)."""
     gguf_path = os.path.abspath(gguf_path)
     key = hashlib.sha256(f"{gguf_path}:{os.path.getsize(gguf_path)}".encode()).hexdigest()[:12]
     out = os.path.join(CACHE_DIR, "models", f"{os.path.basename(gguf_path)[:-5]}-{key}")
     if not os.path.exists(os.path.join(out, "config.json")):
-        import fetch
+        import convert
 
-        if problem := fetch.gguf_model(gguf_path, out):
+        if problem := convert.gguf_model(gguf_path, out):
             raise ModelError(f"cannot read {gguf_path} as a GGUF model ({problem}); pass a valid .gguf file")
     return out
 

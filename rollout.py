@@ -48,19 +48,12 @@ class Rollout:
     def attention_mask(self):  # what the model attends to: prompt, its own tokens and the tools' replies
         return torch.cat([self.prompt_mask, self.completion_mask + self.env_mask.long()], 1)  # (N, P+C)
 
-    @property
-    def own_tokens(self):  # (N,) the model's own tokens of each row, its stop tokens included
-        return self.completion_mask.sum(1)
-
-    @property
-    def num_tokens(self):  # (N,) the budget each row used: its own tokens and the replies it read
-        return self.own_tokens + self.env_mask.sum(1)
-
     def reward_fields(self):
-        """What reward fns may ask for by name, one value per row: the example's keys, num_tokens (the budget used),
-        own_tokens, truncated (0/1), trajectory and the environment's state (tool_calls, attempts, ...)."""
+        """What reward fns may ask for by name, one value per row: the example's keys, num_tokens (the budget used:
+        its own tokens and the replies it read), own_tokens, truncated (0/1), trajectory, the environment's state."""
+        own = self.completion_mask.sum(1)  # (N,) its stop tokens included
         out = {k: [e[k] for e in self.examples] for k in self.examples[0]}
-        out.update(num_tokens=self.num_tokens.tolist(), own_tokens=self.own_tokens.tolist())
+        out.update(num_tokens=(own + self.env_mask.sum(1)).tolist(), own_tokens=own.tolist())
         out.update(truncated=self.truncated.float().tolist(), trajectory=self.trajectories)
         return out | {k: [s[k] for s in self.env_state] for k in self.env_state[0]}
 
@@ -111,15 +104,10 @@ def stop_token_ids(tokenizer, model):
 
 
 @dataclass(frozen=True)
-class Sampler:
-    """How logits become the distribution tokens are drawn from: the sampler draws from it and the trainer scores the
-    drawn tokens under it, both through `logits`, so they agree by construction (a top-k fork edits `logits` alone).
-    temperature 0: greedy. Each field is train.py's flag of that name, or else a config key of it."""
+class Sampler:  # the sampler draws from logits(z), the trainer scores under it: they agree by construction
+    temperature: float = 1.0  # 0: greedy. A field is train.py's flag of its name, else a config key (top_k: a fork)
 
-    temperature: float = 1.0
-
-    def logits(self, z):
-        """Raw logits (..., V) -> the sampled distribution's logits, fp32 (log_softmax of them: its log-probs)."""
+    def logits(self, z):  # raw logits (..., V) -> the sampled distribution's, fp32; log_softmax: its log-probs
         z = z.float()
         if self.temperature not in (0, 1):
             z = z / self.temperature

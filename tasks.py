@@ -6,18 +6,15 @@ Other tasks (process supervision, tools, ...) live in extra_tasks.py, imported o
 
 import hashlib
 import inspect
-import json
 import math
-import os
 import random
 from functools import partial
-from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
 from tqdm import tqdm
 
-from rewards import answers_match, extract_answer, extract_flexible, extract_gold, has_final_answer
+from rewards import answers_match, extract_answer, extract_flexible, has_final_answer
 from rollout import Sampler, sample, stop_token_ids
 
 # prompts: the one place to edit what the model is told. short: a 135M model reads it.
@@ -62,44 +59,10 @@ def check_generated(split, ops="+", n=None, data_dir=None):  # a generator's che
     return n
 
 
-GSM8K_HINT = "pass --data-dir DIR or set GSM8K_DIR=DIR to a directory holding train.jsonl and test.jsonl"
+def load_gsm8k(split, data_dir=None):  # GSM8K (Cobbe et al. 2021): gsm8k.py reads it, imported when a task uses it
+    import gsm8k
 
-
-def load_gsm8k(split, data_dir=None):
-    """GSM8K examples {"question", "answer" (gold number), "solution"} from data_dir, else $GSM8K_DIR (read as
-    is: an edited copy works), else the cache (downloaded on first use, checked by sha256: fetch.py)."""
-    check_generated(split)
-    data_dir = data_dir or os.environ.get("GSM8K_DIR")
-    cache = Path(os.environ.get("GRPO_CACHE") or "~/.cache/grpo-mini").expanduser() / "gsm8k"
-    path = (Path(data_dir).expanduser() if data_dir else cache) / f"{split}.jsonl"
-    if data_dir and not path.is_file():
-        raise DataError(f"GSM8K file not found: {path}; {GSM8K_HINT}")
-    if not path.is_file():
-        import fetch
-
-        if problem := fetch.gsm8k(split, path):
-            raise DataError(f"{problem}; {GSM8K_HINT}")
-    examples = []
-    for lineno, raw in enumerate(path.read_bytes().split(b"\n"), 1):  # bytes: a bad byte is reported with its line
-        try:
-            if (line := raw.decode("utf-8-sig")).strip():  # -sig: a file saved with a BOM reads the same
-                row = json.loads(line)
-                question, solution = row["question"], row["answer"]
-                if not isinstance(question, str) or not question.strip():
-                    raise ValueError(f"'question' must be a non-empty string, got {question!r:.40}")
-                examples.append({"question": question, "answer": extract_gold(solution), "solution": solution})
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}:{lineno}: byte {raw[e.start]:#04x} is not UTF-8; save the file as UTF-8") from None
-        except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError too
-            why = f"{type(e).__name__}: {e}"  # a KeyError, a TypeError
-            if isinstance(e, ValueError):
-                why = str(e)
-            if isinstance(e, json.JSONDecodeError):
-                why = f"not valid JSON ({e.msg})"
-            raise DataError(f"{path}:{lineno}: {why}; expected an object with 'question' and 'answer'") from None
-    if not examples:
-        raise DataError(f"no examples in {path}; {GSM8K_HINT}")
-    return examples
+    return gsm8k.load(split, data_dir)
 
 
 # arith and its kin: generated, split by a hash of the problem

@@ -8,7 +8,7 @@ import torch
 from conftest import FULL, FULL_COUNTS, VOCAB, make_tokenizer
 
 import extra_tasks
-import fetch
+import gsm8k
 import tasks
 from rewards import REWARDS, combine_rewards
 from extra_tasks import PROMPT as ARITH_STEPS_SYSTEM_PROMPT
@@ -39,7 +39,7 @@ def offline_cache(tmp_path, monkeypatch):
     """An empty cache, no GSM8K_DIR, and a download URL that cannot connect."""
     monkeypatch.delenv("GSM8K_DIR", raising=False)
     monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(fetch, "GSM8K_URL", "http://127.0.0.1:9/{split}.jsonl")
+    monkeypatch.setattr(gsm8k, "GSM8K_URL", "http://127.0.0.1:9/{split}.jsonl")
     return tmp_path / "cache" / "gsm8k"
 
 
@@ -59,7 +59,7 @@ def test_gsm8k_counts_and_first_gold(gsm8k_dir):
 
 def test_gsm8k_sha256_and_counts_are_the_canonical_files(gsm8k_full):
     for split, n in FULL_COUNTS.items():
-        assert hashlib.sha256((gsm8k_full / f"{split}.jsonl").read_bytes()).hexdigest() == fetch.GSM8K_SHA256[split]
+        assert hashlib.sha256((gsm8k_full / f"{split}.jsonl").read_bytes()).hexdigest() == gsm8k.GSM8K_SHA256[split]
         assert len(load_gsm8k(split, gsm8k_full)) == n
 
 
@@ -134,17 +134,17 @@ def test_gsm8k_offline_without_copy_says_what_to_do(offline_cache):
 def test_gsm8k_download_checks_sha_and_caches(gsm8k_dir, offline_cache, monkeypatch):
     d, counts = gsm8k_dir
     if counts != FULL_COUNTS:  # the sample: its sha256 stands in for the canonical file's (checked where that is)
-        monkeypatch.setitem(fetch.GSM8K_SHA256, "test", hashlib.sha256((d / "test.jsonl").read_bytes()).hexdigest())
-    monkeypatch.setattr(fetch, "GSM8K_URL", d.as_uri() + "/{split}.jsonl")  # file:// stands in
+        monkeypatch.setitem(gsm8k.GSM8K_SHA256, "test", hashlib.sha256((d / "test.jsonl").read_bytes()).hexdigest())
+    monkeypatch.setattr(gsm8k, "GSM8K_URL", d.as_uri() + "/{split}.jsonl")  # file:// stands in
     assert len(load_gsm8k("test")) == counts["test"]
     assert sorted(p.name for p in offline_cache.iterdir()) == ["test.jsonl"]
-    monkeypatch.setattr(fetch, "GSM8K_URL", "http://127.0.0.1:9/{split}.jsonl")
+    monkeypatch.setattr(gsm8k, "GSM8K_URL", "http://127.0.0.1:9/{split}.jsonl")
     assert len(load_gsm8k("test")) == counts["test"]  # second time from the cache, no download
 
 
 def test_gsm8k_download_sha_mismatch(offline_cache, tmp_path, monkeypatch):
     (tmp_path / "test.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
-    monkeypatch.setattr(fetch, "GSM8K_URL", tmp_path.as_uri() + "/{split}.jsonl")
+    monkeypatch.setattr(gsm8k, "GSM8K_URL", tmp_path.as_uri() + "/{split}.jsonl")
     with pytest.raises(DataError, match="sha256"):
         load_gsm8k("test")
     assert not (offline_cache / "test.jsonl").exists()
