@@ -4,6 +4,7 @@ checkpoints, written whole or not at all (a temp file renamed into place; the ne
 holding only tensors, numbers, strings and plain containers: read with torch.load(weights_only=True)."""
 
 import ast
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -65,11 +66,13 @@ def _config(p, spec, keys):
     return {name: user_path(value) if name in PATHS else value for name, value, _ in lines}
 
 
-def parse(p, ranges, constants, argv=None):
+def parse(p, ranges, constants, argv=None, knobs=()):
     """Flags with config files and --resume applied, every value checked -> (args, the checkpoint to resume
     from or None, the names whose value is not the default). constants: {name: (default, choices tuple or range)}
-    of the values only config files set."""
+    of the values only config files set; knobs: dataclasses whose fields that are no flag are such values too."""
     flags = {a.dest for a in p._actions} - {"help", "config"}
+    for cls in knobs:
+        constants.update({f.name: (f.default, None) for f in dataclasses.fields(cls) if f.name not in flags})
     keys = ", ".join(f"{k}={d!r}" for k, (d, _) in constants.items())
     p.epilog = textwrap.fill(f"config keys (--config FILE or --config name=value), with their defaults: {keys}", 100)
     defaults = vars(p.parse_args([]))

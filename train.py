@@ -65,16 +65,10 @@ g = p.add_argument_group("scale (scale.py)")
 g.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (peft); 0 = full fine-tuning")
 g.add_argument("--fsdp", action="store_true", help="under torchrun: shard weights, grads, AdamW states (FSDP2)")
 
-
-def constant(t):  # lr_schedule's factor on --lr, t: the fraction done of the updates after the warmup
-    return 1.0
-
-
-def cosine(t):  # from 1 down to 0.1 at the last update
-    return 0.55 + 0.45 * math.cos(math.pi * t)
-
-
-LR_SCHEDULES = {"constant": constant, "cosine": cosine}
+LR_SCHEDULES = {  # lr_schedule: fn(t, the fraction done of the updates after the warmup) -> the factor on --lr
+    "constant": lambda t: 1.0,
+    "cosine": lambda t: 0.55 + 0.45 * math.cos(math.pi * t),  # from 1 down to 0.1 at the last update
+}
 CONSTANTS = {  # knobs few would sweep: (default, range or choices); set in a config file or as --config name=value
     "lr_schedule": ("constant", tuple(LR_SCHEDULES)),
     "warmup_steps": (0, ">= 0"),  # a linear warmup to --lr
@@ -88,9 +82,6 @@ CONSTANTS = {  # knobs few would sweep: (default, range or choices); set in a co
     "log_to": ("none", ("none", "tensorboard", "wandb")),  # a tracker besides metrics.jsonl
     "task_options": ({}, None),  # the task's options: its load's and environment's keywords, an rg: dataset's config
 }
-flags = {a.dest for a in p._actions}
-for cls in (grpo.Objective, rollout.Sampler):  # their fields that are no flag are config keys: an option is one field
-    CONSTANTS.update({f.name: (f.default, None) for f in dataclasses.fields(cls) if f.name not in flags})
 RANGES = {
     "group_size": ">= 2",
     "prompts_per_step": ">= 1",
@@ -105,7 +96,8 @@ RANGES = {
     "top_entropy_quantile": "(0, 1]",
     "seed": "[0, 9e18]",
 }  # any other number: >= 0
-args, ckpt, given = run.parse(p, RANGES, CONSTANTS)  # given: what a config file or a flag set
+# the fields of grpo.Objective and rollout.Sampler that are no flag are config keys too: a fork's option is one field
+args, ckpt, given = run.parse(p, RANGES, CONSTANTS, knobs=(grpo.Objective, rollout.Sampler))  # given: what was set
 run.exit_on_interrupt(partial(run.last_checkpoint, args.out_dir, args.steps))  # Ctrl-C / SIGTERM: one line
 
 # --- setup: processes, the checks that need more than one flag, device and dtype, the out dir
