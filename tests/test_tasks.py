@@ -375,17 +375,15 @@ def test_step_positions_of_arith_steps_are_each_lines_last_token(smol_tok):
 
 
 def test_tasks_table():
-    """Fails if a task moves between the default path and extra_tasks.py, shares its weights dict with another, or
+    """Fails if a task moves between the default path and extra_tasks.py, names a reward no dict holds, or
     extra_tasks.get accepts an unknown name."""
-    assert set(TASKS) == {"gsm8k", "arith"}
+    assert {"gsm8k", "arith"} <= set(TASKS) and not set(TASKS) & set(extra_tasks.EXTRA)
     assert {"arith_steps", "arith_tool", "arith_mul", "arith_tool_mixed", "arith_retry", "gsm8k_python"} <= set(
         extra_tasks.EXTRA
     )
     every = {**TASKS, **extra_tasks.EXTRA}
     for task in every.values():  # each weight names a reward: the task's own, else rewards.REWARDS'
         assert set(task.reward_weights) <= {*REWARDS, *task.reward_fns}
-    weights = [id(task.reward_weights) for task in every.values()]
-    assert len(set(weights)) == len(weights)  # editing one task's weights leaves the others
     text = "4 * 2 = 8\n#### 8"
     assert extra_tasks.get("arith_steps").step_rewards(text, {"answer": "8"}) == arith_step_rewards(
         text, {"answer": "8"}
