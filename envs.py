@@ -125,9 +125,9 @@ class EnvDriver:
         chars = getattr(make, "turn_chars", "")
         vocab = [str(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))]
         self._may_end = [chars is None or any(c in t for c in chars) for t in vocab]
-        self._tail = _after_mark(tokenizer, DUMMY, False, {})  # the template's end of an assistant turn
+        self._tail = _after_mark(tokenizer, DUMMY, add_generation_prompt=False)  # the template's end of a turn
         self._least = len(
-            self.frame({"role": "user", "content": "0"}, False)
+            self.frame({"role": "user", "content": "0"}, stopped=False)
         )  # the shortest reply; checks the template
         self.reset([], [], 1)
 
@@ -158,7 +158,7 @@ class EnvDriver:
         token the row wrote itself when stopped, up to the next assistant header) around the message's content,
         which is tokenized as text and cut to max_reply_tokens."""
         message = opening_msg(message)
-        suffix = _after_mark(self.tokenizer, DUMMY + [{**message, "content": REPLY}], True, {})
+        suffix = _after_mark(self.tokenizer, DUMMY + [{**message, "content": REPLY}], add_generation_prompt=True)
         if not suffix.startswith(self._tail):
             raise ValueError(
                 f"this chat template ends an assistant turn with {self._tail!r} but writes "
@@ -196,7 +196,7 @@ class EnvDriver:
                     end[i] = True
                     continue
                 if message is not None:
-                    self._queue[i].extend(self.frame(message, at_stop))
+                    self._queue[i].extend(self.frame(message, stopped=at_stop))
             if self._queue[i]:
                 ids[i], reply[i], end[i] = self._queue[i].popleft(), True, False
                 continue
@@ -269,10 +269,8 @@ def opening_msg(message):
     return {"role": "user", "content": message} if isinstance(message, str) else message
 
 
-def _after_mark(tokenizer, messages, add_generation_prompt, template_kwargs):
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
-    )
+def _after_mark(tokenizer, messages, *, add_generation_prompt):
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     if MARK not in text:
         raise ValueError(f"this chat template drops an assistant message's content ({MARK!r}): no replies")
     return text.split(MARK, 1)[1]
@@ -429,7 +427,8 @@ class ToolEnv(EnvDriver):
 
     def reply(self, name, result):
         """The text fed to a row after its call to `name` returned `result`: the template's frame around it."""
-        return self.tokenizer.decode(self.frame(self.make.message(name, result), False), skip_special_tokens=False)
+        framed = self.frame(self.make.message(name, result), stopped=False)
+        return self.tokenizer.decode(framed, skip_special_tokens=False)
 
 
 # -----------------------------------------------------------------------------

@@ -86,18 +86,19 @@ def arith_step_rewards(completion, example):
     return [(m.end(), _line_reward(m.group(), example["answer"])) for m in lines] or [(len(completion), 0.0)]
 
 
-def step_positions(step_rewards, tokenizer, completion_ids, lengths, completions, examples):
-    """Steps as tensors for grpo.process_advantages: row i's steps are step_rewards(completions[i], examples[i]), each
-    ending on the token that holds its last character among the lengths[i] tokens of completion_ids
-    (N, C) before the stop token -> ends (N, S) long, values (N, S), mask (N, S) bool (False: padding; S: the most steps
-    of a row). That token is the first whose decoded prefix holds the text up to char_end: exact whatever a tokenizer
-    does to bytes and spaces (a character split over byte tokens decodes as U+FFFD until its last byte)."""
-    steps = [step_rewards(text, example) for text, example in zip(completions, examples)]
+def step_positions(step_rewards, tokenizer, r):
+    """Steps as tensors for grpo.process_advantages: row i of the Rollout r has the steps step_rewards(its completion,
+    its example), each ending on the token that holds its last character among its own tokens before its stop token
+    -> ends (N, S) long, values (N, S), mask (N, S) bool (False: padding; S: the most steps of a row). That token is the
+    first whose decoded prefix holds the text up to char_end: exact whatever a tokenizer does to bytes and spaces (a
+    character split over byte tokens decodes as U+FFFD until its last byte)."""
+    lengths = r.completion_mask.sum(1) - (~r.truncated).long()  # (N,) the tokens before the stop token
+    steps = [step_rewards(text, example) for text, example in zip(r.completions, r.examples)]
     N, S = len(steps), max(len(s) for s in steps)
     ends, values, mask = torch.zeros(N, S, dtype=torch.long), torch.zeros(N, S), torch.zeros(N, S, dtype=torch.bool)
     decode = partial(tokenizer.decode, skip_special_tokens=True)
     for i, row in enumerate(steps):
-        ids = completion_ids[i, : int(lengths[i])].tolist()
+        ids = r.completion_ids[i, : int(lengths[i])].tolist()
         text = decode(ids)
         for j, (end, value) in enumerate(row):  # the last token of the shortest prefix holding text[:end]
             ends[i, j] = bisect_left(range(1, len(ids)), True, key=lambda k: decode(ids[:k])[:end] == text[:end])
@@ -165,7 +166,7 @@ def final_attempt_score(completion, example, state):  # the environment's judgem
 
 load_mul = partial(load_arith, digits=3, ops="*")
 EXTRA = {  # a call that ran is worth a little (0.2): without it the calls die out (BENCHMARKS.md)
-    "arith_steps": Task(load_arith_steps, prompt, {}, dict(WEIGHTS), score, arith_step_rewards),
+    "arith_steps": Task(load_arith_steps, prompt, {}, dict(WEIGHTS), score, step_rewards=arith_step_rewards),
     "arith_tool": Task(load_mul, tool_prompt, {}, {**WEIGHTS, "tool": 0.2}, score, env=calculator),
     "arith_mul": Task(load_mul, partial(chat_prompt, MUL_PROMPT), {}, dict(WEIGHTS), score),
     "arith_tool_mixed": Task(load_mixed, tool_prompt, {}, {**WEIGHTS, "tool": 0.2}, score, env=calculator),

@@ -346,9 +346,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     if args.supervision == "process":  # per-token advantages (N, C) from the task's step rewards (§4.1.3)
         import extra_tasks  # the steps' token positions: imported only when asked
 
-        ends, values, smask = extra_tasks.step_positions(
-            task.step_rewards, tokenizer, r.completion_ids, lengths - (~r.truncated).long(), r.completions, r.examples
-        )
+        ends, values, smask = extra_tasks.step_positions(task.step_rewards, tokenizer, r)
         adv = grpo.process_advantages(values, ends, smask, G, C).to(device)
         row["reward/step"] = values[smask].mean()
     loss_mask = r.completion_mask * keep[:, None] * (~r.truncated[:, None] if args.mask_truncated else 1)  # (N, C)

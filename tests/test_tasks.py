@@ -1,6 +1,7 @@
 import doctest
 import hashlib
 import re
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
@@ -294,9 +295,14 @@ def test_step_positions_by_hand():
     lengths = torch.tensor([3, 3, 0, 4])  # tokens before the stop token
     texts = ["w1 w2 w3", "w4 w5", "", "w6 w7 w8 w9"]
     assert [tok.decode(r[:n], skip_special_tokens=True) for r, n in zip(rows, lengths)] == texts
-    ends, values, mask = step_positions(
-        word_steps, tok, torch.tensor(rows), lengths, texts, [{"w": 1.0}, {"w": 1.0}, {"w": 0.5}, {"w": 0.5}]
+    rollout = SimpleNamespace(
+        completion_ids=torch.tensor(rows),
+        completion_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]),  # to the stop
+        truncated=torch.tensor([False, False, False, True]),
+        completions=texts,
+        examples=[{"w": 1.0}, {"w": 1.0}, {"w": 0.5}, {"w": 0.5}],
     )
+    ends, values, mask = step_positions(word_steps, tok, rollout)
     assert ends.dtype == torch.long and mask.dtype == torch.bool
     assert ends.tolist() == [[0, 1, 2, 0], [0, 2, 0, 0], [0, 0, 0, 0], [0, 1, 2, 3]]  # padding steps: 0
     assert values.tolist() == [[0, 1, 2, 0], [0, 1, 0, 0], [0, 0, 0, 0], [0, 0.5, 1, 1.5]]  # group 1: w = 0.5
@@ -326,9 +332,14 @@ def test_step_positions_is_the_token_that_completes_the_character(smol_tok):
     def every_char(t, ex):
         return [(i + 1, float(i)) for i in range(len(t))]
 
-    ends, values, mask = step_positions(
-        every_char, smol_tok, torch.tensor([ids + [smol_tok.eos_token_id]]), [len(ids)], [text], [{}]
+    rollout = SimpleNamespace(
+        completion_ids=torch.tensor([ids + [smol_tok.eos_token_id]]),
+        completion_mask=torch.ones(1, len(ids) + 1, dtype=torch.long),
+        truncated=torch.tensor([False]),
+        completions=[text],
+        examples=[{}],
     )
+    ends, values, mask = step_positions(every_char, smol_tok, rollout)
     assert mask.all() and values[0].tolist() == list(range(len(text)))
     for end, k in zip(range(1, len(text) + 1), ends[0].tolist()):
         # the last token whose span covers character end-1 (a split character: its last byte's token)
@@ -357,14 +368,14 @@ def test_step_positions_of_arith_steps_are_each_lines_last_token(smol_tok):
             want_values.append([r for _, r in arith_step_rewards(texts[-1], {"answer": gold})])
     C = max(map(len, rows)) + 1
     completion_ids = torch.tensor([r + [smol_tok.eos_token_id] * (C - len(r)) for r in rows])  # (4, C)
-    ends, values, mask = step_positions(
-        arith_step_rewards,
-        smol_tok,
-        completion_ids,
-        [len(r) for r in rows],
-        texts,
-        [{"answer": g} for g in groups for _ in range(2)],  # each row's example
+    rollout = SimpleNamespace(
+        completion_ids=completion_ids,
+        completion_mask=(torch.arange(C)[None] <= torch.tensor([len(r) for r in rows])[:, None]).long(),  # + stop
+        truncated=torch.zeros(len(rows), dtype=torch.bool),
+        completions=texts,
+        examples=[{"answer": g} for g in groups for _ in range(2)],  # each row's example
     )
+    ends, values, mask = step_positions(arith_step_rewards, smol_tok, rollout)
     assert [e[m].tolist() for e, m in zip(ends, mask)] == want_ends
     assert [v[m].tolist() for v, m in zip(values, mask)] == want_values == [[1, 1, 0, 1], [0, 0], [0, 1], [1]]
     assert values[mask].mean().item() == pytest.approx(5 / 9)  # what the loop logs as reward/step
