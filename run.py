@@ -144,29 +144,19 @@ def _kind(action):  # the type a flag's value must have: its own, bool for a swi
 def check(p, args, ranges, constants=None, nullable=None):
     """Every value's type (config files bypass argparse's conversion), choices and range -> p.error. A number is
     >= 0 unless `ranges` says otherwise."""
-    items = [
-        (
-            a.dest,
-            a.option_strings[-1],
-            _kind(a),
-            a.choices,
-            ranges.get(a.dest, ">= 0"),
-            a.default is None if nullable is None else a.dest in nullable,
-        )
-        for a in p._actions
-        if a.option_strings and a.nargs not in ("+", "*") and hasattr(args, a.dest) and a.dest not in ("help", "config")
-    ]
-    items += [
-        (
-            k,
-            f"config key {k}",
-            str if d is None else type(d),
-            spec if isinstance(spec, tuple) else None,
-            spec if isinstance(spec, str) else None,
-            d is None,
-        )
-        for k, (d, spec) in (constants or {}).items()
-    ]
+    items = []  # (name, as the user wrote it, kind, choices, range, may be None)
+    for a in p._actions:
+        if (
+            a.option_strings
+            and a.nargs not in ("+", "*")
+            and hasattr(args, a.dest)
+            and a.dest not in ("help", "config")
+        ):
+            none_ok = a.default is None if nullable is None else a.dest in nullable
+            items.append((a.dest, a.option_strings[-1], _kind(a), a.choices, ranges.get(a.dest, ">= 0"), none_ok))
+    for k, (d, spec) in (constants or {}).items():
+        choices, spec = (spec, None) if isinstance(spec, tuple) else (None, spec)
+        items.append((k, f"config key {k}", str if d is None else type(d), choices, spec, d is None))
     for dest, flag, kind, choices, spec, can_be_none in items:
         v = getattr(args, dest)
         if v is None and not can_be_none:
