@@ -58,13 +58,8 @@ class Rollout:
         return out | {k: [s[k] for s in self.env_state] for k in self.env_state[0]}
 
     def __getitem__(self, rows):  # the rows `rows` (a LongTensor) of every field
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        take = {
-            k: [v[i] for i in rows.tolist()] if isinstance(v, list) else v[rows]
-            for k, v in out.items()
-            if v is not None
-        }
-        return Rollout(**take)
+        out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return Rollout(**{k: [v[i] for i in rows.tolist()] if isinstance(v, list) else v[rows] for k, v in out.items()})
 
 
 def encode_prompts(tokenizer, prompts, env=None):
