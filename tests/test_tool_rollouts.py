@@ -475,6 +475,30 @@ def test_training_logprobs_are_the_models_forward_on_the_trajectory_and_match_sa
     assert (blind[after] - r.sample_logp[after]).abs().max() > 1e-2
 
 
+def test_each_token_is_drawn_with_its_rows_uniform_at_its_own_count():
+    """sample draws one uniform per row and budget token up front (torch.rand(N, max_new_tokens) from the generator);
+    the token at a row's trajectory position t (its own tokens and the replies it read before it: t of them) takes
+    u[row, t], by inverse CDF of the model's distribution there (the teacher-forced forward on the trajectory). Checked
+    on every own token, those on the budget's last position included. Fails if a token takes another row's or another
+    step's uniform (replies left out of the count, the last token's clamped to the one before)."""
+    from rollout import sample_from_logits
+
+    tok, model, T, B = make_tokenizer(), tiny(), 0.8, 24
+    env = stub(tok, max_calls=2, calls=tuple(f"w{i}" for i in range(0, 90, 15)))
+    sampler = Sampler(temperature=T)
+    r = sample(model, tok, PROMPTS, 3, max_new_tokens=B, stop_ids=[EOS], sampler=sampler, generator=gen(0), env=env)
+    u = torch.rand(r.completion_ids.size(0), B, generator=gen(0))  # (N, B): sample's, drawn the same way
+    own = r.completion_mask.bool()  # (N, C)
+    assert own[:, B - 1].any() and (own & (r.env_mask.long().cumsum(1) > 0)).any(), "the test needs both"
+    with torch.no_grad():
+        for i in range(own.size(0)):
+            prompt, n = r.prompt_ids[i][r.prompt_mask[i].bool()], int((own[i] | r.env_mask[i]).sum())
+            ids = torch.cat([prompt, r.completion_ids[i, :n]])  # the trajectory, unpadded
+            z = sampler.logits(model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1])  # (n, V): token t's
+            for t in own[i].nonzero().squeeze(1).tolist():
+                assert sample_from_logits(z[t : t + 1], u[i, t : t + 1]).item() == r.completion_ids[i, t], (i, t)
+
+
 class Held(WordTools):
     """The stub, slow: each turn waits until the test releases it (`hold` decode steps after it was submitted, or at
     once when every row left waits on one, as the real step would block), so its row is a hole meanwhile."""

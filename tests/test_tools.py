@@ -269,6 +269,9 @@ def tags_tokenizer():
         "</boom>",
         "<slow>",
         "</slow>",
+        "<flood>",
+        "</flood>",
+        "X",
         "Result:",
         "12",
         "*",
@@ -472,6 +475,8 @@ def test_refusals_say_what_is_wrong():
         make_env([calculator], tok).render([{**CALL_1234, "tool_calls": CALL_1234["tool_calls"] * 2}])
     with pytest.raises(ValueError, match="a tokenizer with a chat template"):
         make_env([calculator], make_tokenizer(chat_template=False))
+    with pytest.raises(ValueError, match="^an environment needs a tokenizer with a chat template$"):  # the whole
+        EnvDriver(Opening, make_tokenizer(chat_template=False))  # line: mutmut wraps a message in junk
     tok.chat_template = (
         "{% for m in messages %}{{ m['content'] }}{% if loop.last %}<end>{% else %}<sep>{% endif %}"
         "{% endfor %}"
@@ -723,7 +728,7 @@ def test_a_sampled_id_beyond_the_tokenizer_is_the_rows_own_token():
     row's tool stops answering after one."""
     tok = tags_tokenizer()
     env = make_env([calculator], tok)
-    big, B = len(tok) + 3, 20  # the model has 10 logits past the tokenizer
+    big, B = len(tok), 20  # the first of the model's 10 logits past the tokenizer
     call, w1 = ids(tok, "<calculator> 12 * 3 </calculator>"), ids(tok, "w1")
     reply = ids(tok, "<|im_end|> <|im_start|> user Result: 36 <|im_end|> <|im_start|> assistant")
     scripts = [[big] + call + [big] + ids(tok, "36") + [EOS], w1 * (B - 1) + [big], [big, EOS]]
@@ -732,6 +737,15 @@ def test_a_sampled_id_beyond_the_tokenizer_is_the_rows_own_token():
     assert [sum(e) for e in envs] == [len(reply), 0, 0] and counts(env) == ([1, 0, 0], [0, 0, 0])
     assert r.completions == ["<calculator> 12 * 3 </calculator>\n36", " ".join(["w1"] * (B - 1)), ""]
     assert r.truncated.tolist() == [False, True, False]
+
+
+def test_a_control_token_the_row_wrote_is_no_word_of_its_completion():
+    """A row may sample a control token that is no stop (its own `<|im_start|>`): the trajectory keeps it, the
+    completion (what rewards and eval read, rollout.own_text) leaves it out, special tokens skipped. Fails if the
+    completion holds it: a reward would read template markup as the model's words."""
+    tok = tags_tokenizer()
+    _, _, r = drive(make_env([calculator], tok), [ids(tok, "w1 <|im_start|> w2") + [EOS]], [EOS])
+    assert r.trajectories == ["w1 <|im_start|> w2"] and r.completions == ["w1 w2"]
 
 
 FEEDBACK_WORDS = ["Wrong;", "try", "again.", "End", "with", "a", "final", "line:", "<number>"]  # FeedbackEnv.WRONG's
@@ -743,7 +757,8 @@ def feedback_rollout():
     """arith_retry's environment (FeedbackEnv, 2 attempts) and rewards on seven rows of the tiny tokenizer, answer 36,
     a budget of FB = 24 tokens: right and stopped; right, never stopped (w1 ... to the budget); wrong, stopped, then
     right; wrong, then right and cut; wrong twice; wrong after 10 words and stopped with 11 tokens left (the budget
-    ends inside the 15-token reply WRONG); wrong and cut -> (tokenizer, task, examples, scripts, Rollout)."""
+    ends inside the 15-token reply WRONG); wrong and cut; right after 21 words, its stop the budget's last token ->
+    (tokenizer, task, examples, scripts, Rollout)."""
     import tasks
 
     tok = tags_tokenizer()
@@ -758,6 +773,7 @@ def feedback_rollout():
         wrong + [EOS] + wrong + [EOS],
         w1 * 10 + wrong + [EOS],
         wrong + w1,
+        w1 * (FB - 3) + right + [EOS],
     ]
     examples = [{"question": f"What is {i} + 36 - {i}?", "answer": "36"} for i in range(len(scripts))]
     prompts = [task.prompt(e) for e in examples]
@@ -768,16 +784,16 @@ def feedback_rollout():
 def test_feedback_reward_is_the_eval_score_on_cut_stopped_and_retried_rows():
     """arith_retry's reward (the environment's judgement of the last attempt) against eval.py's score of the same
     rows (tasks.evaluate, the same model and environment) and the hand values: the last attempt's `#### N` is right
-    in rows 0-3. Fails if FeedbackEnv judges an answer only at a stop token (defect 1 of issue 42: a right last
+    in rows 0-3 and 7. Fails if FeedbackEnv judges an answer only at a stop token (defect 1 of issue 42: a right last
     attempt cut by the budget, or a single right answer that never stops, got final_correct 0 while eval counted it
     strict-correct), if reward and eval read different attempts, or if `truncated` or a trajectory is off."""
     from tasks import evaluate
 
     tok, task, examples, scripts, r = feedback_rollout()
     reward = task.reward_fns["correct"](r.completions, **r.reward_fields())
-    assert reward == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+    assert reward == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
     states = [(s["attempts"], s["first_correct"], s["final_correct"]) for s in r.env_state]
-    assert states == [(1, 1, 1), (1, 1, 1), (2, 0, 1), (2, 0, 1), (2, 0, 0), (1, 0, 0), (1, 0, 0)]
+    assert states == [(1, 1, 1), (1, 1, 1), (2, 0, 1), (2, 0, 1), (2, 0, 0), (1, 0, 0), (1, 0, 0), (1, 1, 1)]
     env = task.env(tok)
     summary, records = evaluate(
         Scripted(tiny_for(tok), env, scripts),
@@ -785,13 +801,15 @@ def test_feedback_reward_is_the_eval_score_on_cut_stopped_and_retried_rows():
         task,
         examples,
         max_new_tokens=FB,
-        batch_size=7,
+        batch_size=8,
         progress=False,
         env=env,
     )
-    assert [float(x["correct"]) for x in records] == reward and summary["strict_acc"] == pytest.approx(4 / 7)
-    assert summary["env/final_correct"] == pytest.approx(4 / 7) and summary["env/attempts"] == pytest.approx(10 / 7)
-    assert r.truncated.tolist() == [False, True, False, True, False, True, True]  # the budget, not a stop, ended them
+    assert [float(x["correct"]) for x in records] == reward and summary["strict_acc"] == pytest.approx(5 / 8)
+    assert summary["env/final_correct"] == pytest.approx(5 / 8) and summary["env/attempts"] == pytest.approx(11 / 8)
+    # the budget, not a stop, ended rows 1, 3, 5, 6; row 7's own stop, on the budget's last token, ended it
+    assert r.truncated.tolist() == [False, True, False, True, False, True, True, False]
+    assert env.probe(examples[0]) == {"attempts": 0, "first_correct": 0.0, "final_correct": 0.0}  # a fresh row's
     w1 = " ".join(["w1"] * 22)
     assert r.trajectories[:4] == [
         "#### 36",
@@ -828,10 +846,213 @@ def test_rewards_read_own_tokens_truncated_and_the_budget_used():
         return [n + 100 * o + 10_000 * t + 1e6 * a for n, o, t, a in zip(num_tokens, own_tokens, truncated, attempts)]
 
     _, per_fn = combine_rewards({"fields": fields}, {"fields": 1.0}, r.completions, **r.reward_fields())
-    num = [3, FB, 3 + 15 + 3, FB, 3 + 15 + 3, FB, FB]  # a reply is 15 tokens; row 5 reads 11 of it
-    own = [3, FB, 6, FB - 15, 6, 13, FB]
-    cut = [0, 1, 0, 1, 0, 1, 1]
-    attempts = [1, 1, 2, 2, 2, 1, 1]
+    num = [3, FB, 3 + 15 + 3, FB, 3 + 15 + 3, FB, FB, FB]  # a reply is 15 tokens; row 5 reads 11 of it
+    own = [3, FB, 6, FB - 15, 6, 13, FB, FB]
+    cut = [0, 1, 0, 1, 0, 1, 1, 0]
+    attempts = [1, 1, 2, 2, 2, 1, 1, 1]
     want = [n + 100 * o + 10_000 * t + 1e6 * a for n, o, t, a in zip(num, own, cut, attempts)]
     assert per_fn["fields"] == want
-    assert r.reward_fields()["answer"] == ["36"] * 7 and r.reward_fields()["trajectory"] == r.trajectories
+    assert r.reward_fields()["answer"] == ["36"] * 8 and r.reward_fields()["trajectory"] == r.trajectories
+
+
+# -----------------------------------------------------------------------------
+# EnvDriver's contract with its environments, through rollout.sample (mutmut's survivors: BENCHMARKS.md)
+
+
+class Opening:
+    """An environment that opens each row with its example's "opening" message (a str or a chat message)."""
+
+    def reset(self, example):
+        return example["opening"]
+
+    def turn(self, text, stopped):
+        return None, True
+
+    def state(self):
+        return {}
+
+
+def test_an_opening_message_is_the_prompts_last_user_message():
+    """Fails if reset's opening message is dropped, put anywhere but after the prompt's own messages (a str prompt is
+    a user message, a list of messages is kept as is), or written as anything but a user turn."""
+    tok = tags_tokenizer()
+    examples = [{"opening": "w6 w7"}, {"opening": {"role": "user", "content": "w8"}}]
+    prompts = ["w1 w2", [{"role": "system", "content": "w3"}, {"role": "user", "content": "w4"}]]
+    _, _, r = drive(EnvDriver(Opening, tok), [ids(tok, "w1") + [EOS]] * 2, [EOS], examples=examples, prompts=prompts)
+    got = [tok.decode(p[m.bool()], skip_special_tokens=False) for p, m in zip(r.prompt_ids, r.prompt_mask)]
+    assert got == [
+        "<bos> <|im_start|> user w1 w2 <|im_end|> <|im_start|> user w6 w7 <|im_end|> <|im_start|> assistant",
+        "<bos> <|im_start|> system w3 <|im_end|> <|im_start|> user w4 <|im_end|> <|im_start|> user w8 <|im_end|> "
+        "<|im_start|> assistant",
+    ]
+
+
+class Recorder:
+    """An environment that records what EnvDriver gives it (`seen`): turn(text, stopped) at a stop or a last word w5
+    (any word may end a turn: the factory's turn_chars is None); a turn at w5 is answered w2, a stop finishes the row
+    (after w6 with a reply, which must not be fed); end(text) on the budget's last token."""
+
+    def __init__(self, seen):
+        self.seen = seen
+
+    def reset(self, example):
+        pass
+
+    def ends_turn(self, text, stopped):
+        return stopped or text.split()[-1:] == ["w5"]
+
+    def turn(self, text, stopped):
+        self.seen.append((text, stopped))
+        if stopped and text == "w6":
+            return "w2", True
+        if stopped:
+            return None, True
+        return "w2", False
+
+    def end(self, text):
+        self.seen.append(("end", text))
+
+    def state(self):
+        return {"turns": len(self.seen)}
+
+
+class Recorded:  # Recorder's factory: each row's record in `rows`
+    turn_chars = None
+
+    def __init__(self):
+        self.rows = []
+
+    def __call__(self):
+        self.rows.append([])
+        return Recorder(self.rows[-1])
+
+
+def test_a_turn_gets_the_rows_own_text_and_whether_it_stopped():
+    """What EnvDriver hands an environment: turn(text, stopped) with the row's own text since its last reply (special
+    tokens it wrote kept, its stop token left out) and stopped True at its stop token, False before; a turn that
+    finishes the row ends it there (its reply, if any, is not fed); end(text) on the budget's last token with the
+    unanswered text; a stop on the budget's last token is still judged, its state waited for, and the row is not
+    truncated. Fails if any of those is off."""
+    tok = tags_tokenizer()
+    make, B = Recorded(), 16
+    w = {k: ids(tok, f"w{k}")[0] for k in range(1, 9)}
+    scripts = [
+        [w[1], IM_START, w[5], w[3], EOS],
+        [w[6], EOS],
+        [w[7]] * B,
+        [w[8]] * (B - 1) + [EOS],
+    ]
+    rows, envs, r = drive(EnvDriver(make, tok), scripts, [EOS], budget=B)
+    reply = ids(tok, "<|im_end|> <|im_start|> user w2 <|im_end|> <|im_start|> assistant")
+    assert rows == [[w[1], IM_START, w[5]] + reply + [w[3], EOS], scripts[1], scripts[2], scripts[3]]
+    assert make.rows == [
+        [("w1 <|im_start|> w5", False), ("w3", True)],
+        [("w6", True)],
+        [("end", " ".join(["w7"] * B))],
+        [(" ".join(["w8"] * (B - 1)), True)],
+    ]
+    assert [s["turns"] for s in r.env_state] == [2, 1, 1, 1] and r.truncated.tolist() == [False, False, True, False]
+
+
+class Eager:
+    """An environment whose ends_turn says yes to any text; made by a factory without turn_chars (EagerRows)."""
+
+    def reset(self, example):
+        self.turns = 0
+
+    def ends_turn(self, text, stopped):
+        return True
+
+    def turn(self, text, stopped):
+        self.turns += 1
+        if stopped:
+            return None, True
+        return "w2", False
+
+    def state(self):
+        return {"turns": self.turns}
+
+
+class EagerRows:  # no turn_chars: no token may end a turn before the row's stop
+    def __call__(self):
+        return Eager()
+
+
+def test_without_turn_chars_only_the_stop_token_ends_a_turn():
+    """Fails if a factory without turn_chars lets a token end a turn before the row's stop (as turn_chars None does,
+    or a default that some token's string holds, `X` here), whatever its environments' ends_turn says."""
+    tok = tags_tokenizer()
+    script = ids(tok, "w5 X w1") + [EOS]
+    rows, envs, r = drive(EnvDriver(EagerRows(), tok), [script], [EOS], budget=20)
+    assert rows == [script] and r.env_state == [{"turns": 1}]  # its one turn: at the stop
+
+
+def test_a_reply_is_cut_to_64_tokens_by_default():
+    """Fails if EnvDriver's default max_reply_tokens is not 64: a tool's long output costs the row's budget."""
+    tok = tags_tokenizer()
+    env = make_env([flood], tok)
+    call = ids(tok, "<flood> w1 </flood>")
+    rows, envs, _ = drive(env, [call + [EOS]], [EOS], budget=100)
+    UNK, RESULT = tok.unk_token_id, ids(tok, "Result:")[0]
+    reply = (
+        ids(tok, "<|im_end|> <|im_start|> user") + [RESULT] + [UNK] * 63 + ids(tok, "<|im_end|> <|im_start|> assistant")
+    )
+    assert rows == [call + reply + [EOS]]  # "Result: x x x ...": its first 64 tokens, x an <unk>
+
+
+def test_a_rollout_whose_every_row_waits_blocks_on_the_turn():
+    """One row, its tool answering after its 0.2 s timeout: the step where every row left waits blocks until a turn
+    answers. Fails if it decodes on instead (a hole a step, each a model forward spent on nothing)."""
+    tok = tags_tokenizer()
+    env = make_env([slow], tok, timeout=0.2)
+    holes = []
+
+    def on_step(own, reply):
+        holes.append(not (own[0] or reply[0]))
+
+    call = ids(tok, "<slow> w1 </slow>")
+    rows, envs, _ = drive(env, [call + ids(tok, "w2") + [EOS]], [EOS], on_step=on_step)
+    assert sum(holes) == 0 and counts(env) == ([1], [1])
+
+
+def test_the_turn_that_answers_first_lets_its_row_go_on():
+    """Two rows call on the same step: row 1's tool answers at once, row 0's only once row 1 has read its reply and
+    written on (the test releases it then, up to 10 s). Fails if a step where every row waits blocks until every
+    turn has answered, not the first: row 0's tool would wait its 10 s out and answer "late"."""
+    tok = tags_tokenizer()
+    release, replied = threading.Event(), []
+
+    def slow(text: str) -> str:  # the tags tokenizer's <slow>, released by the test
+        """Answer when released."""
+        return "w9" if release.wait(10) else "late"
+
+    def on_step(own, reply):
+        replied.extend([1] * bool(reply[1]))
+        if replied and own[1]:  # row 1 writes on after its reply
+            release.set()
+
+    env = make_env([slow, echo], tok, timeout=30)
+    calls = [ids(tok, "<slow> w1 </slow>"), ids(tok, "<echo> w1 </echo>")]
+    scripts = [calls[0] + ids(tok, "w2") + [EOS], calls[1] + ids(tok, "w3 w4") + [EOS]]
+    rows, envs, _ = drive(env, scripts, [EOS], on_step=on_step)
+    frame = "<|im_end|> <|im_start|> user Result: {} <|im_end|> <|im_start|> assistant"
+    assert rows[0] == calls[0] + ids(tok, frame.format("w9")) + ids(tok, "w2") + [EOS]
+    assert rows[1] == calls[1] + ids(tok, frame.format("w1")) + ids(tok, "w3 w4") + [EOS]
+
+
+def test_a_row_that_stops_while_another_reads_a_reply_ends_on_its_own_stop():
+    """Row 1 writes w1 until row 0 is fed its first reply token, then its stop: on the next step, while row 0 reads
+    on. Fails if a row's step is left undone because another row took a reply token (its stop would end it
+    without being its own token)."""
+    tok = tags_tokenizer()
+    env = make_env([echo], tok)
+    w1, call = ids(tok, "w1"), ids(tok, "<echo> w1 w1 w1 </echo>")
+    scripts = [call + ids(tok, "w2") + [EOS], list(w1)]
+
+    def on_step(own, reply):
+        if reply[0] and scripts[1][-1] != EOS:
+            scripts[1].append(EOS)
+
+    rows, envs, r = drive(env, scripts, [EOS], on_step=on_step)
+    assert rows[1][-1] == EOS and set(rows[1][:-1]) == set(w1) and not any(envs[1])
+    assert int(r.completion_mask[1].sum()) == len(rows[1]) and not r.truncated[1]
