@@ -859,6 +859,18 @@ def test_rewards_read_own_tokens_truncated_and_the_budget_used():
 # EnvDriver's contract with its environments, through rollout.sample (mutmut's survivors: BENCHMARKS.md)
 
 
+def test_the_prompt_shows_the_environment_as_its_render_says():
+    """Fails if rollout.sample encodes the prompts without the environment's render: a tags-format row would not be
+    told its tools (the system line), a json-format template would get no schemas."""
+    tok = tags_tokenizer()
+    env = make_env([calculator], tok)
+    _, _, r = drive(env, [[EOS]], [EOS], prompts=["w1"])
+    messages, kwargs = env.render([{"role": "user", "content": "w1"}])
+    assert messages[0]["role"] == "system" and "calculator: Evaluate" in messages[0]["content"]
+    want = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+    assert r.prompt_ids[0][r.prompt_mask[0].bool()].tolist() == ids(tok, want)
+
+
 class Opening:
     """An environment that opens each row with its example's "opening" message (a str or a chat message)."""
 
@@ -1041,18 +1053,29 @@ def test_the_turn_that_answers_first_lets_its_row_go_on():
 
 
 def test_a_row_that_stops_while_another_reads_a_reply_ends_on_its_own_stop():
-    """Row 1 writes w1 until row 0 is fed its first reply token, then its stop: on the next step, while row 0 reads
-    on. Fails if a row's step is left undone because another row took a reply token (its stop would end it
-    without being its own token)."""
+    """Row 0's tool answers when released: the test releases it once row 1 has written 6 words, waits for its answer
+    and gives row 1 its stop, so on the next step row 0 takes its reply's first token and row 1 its stop. Fails if a
+    row's step is left undone because another row took a reply token (row 1 would end without its stop as its own
+    token)."""
     tok = tags_tokenizer()
-    env = make_env([echo], tok)
-    w1, call = ids(tok, "w1"), ids(tok, "<echo> w1 w1 w1 </echo>")
+    release, written = threading.Event(), []
+
+    def slow(text: str) -> str:  # the tags tokenizer's <slow>, released by the test
+        """Answer when released."""
+        return "w9" if release.wait(10) else "late"
+
+    env = make_env([slow], tok, timeout=30)
+    w1, call = ids(tok, "w1"), ids(tok, "<slow> w1 </slow>")
     scripts = [call + ids(tok, "w2") + [EOS], list(w1)]
 
     def on_step(own, reply):
-        if reply[0] and scripts[1][-1] != EOS:
+        written.extend([1] * bool(own[1]))
+        if len(written) == 6 and not release.is_set():
+            release.set()
+            env._pending[0][0].result(10)  # answered: row 0's reply starts on the next step
             scripts[1].append(EOS)
 
     rows, envs, r = drive(env, scripts, [EOS], on_step=on_step)
-    assert rows[1][-1] == EOS and set(rows[1][:-1]) == set(w1) and not any(envs[1])
-    assert int(r.completion_mask[1].sum()) == len(rows[1]) and not r.truncated[1]
+    reply = ids(tok, "<|im_end|> <|im_start|> user Result: w9 <|im_end|> <|im_start|> assistant")
+    assert rows == [call + reply + ids(tok, "w2") + [EOS], w1 * 6 + [EOS]]
+    assert int(r.completion_mask[1].sum()) == 7 and not r.truncated[1]
