@@ -179,8 +179,8 @@ def test_rows_finish_at_different_turns_and_masks_are_exact_by_hand():
     frame = "<|im_end|> <|im_start|> user w1 <|im_end|> <|im_start|> assistant"
     assert r.trajectories[:2] == ["w10 w11", f"w5 {frame} w12"]  # the row's own stop token left out
     assert r.trajectories[3] == f"w5 {frame} w5 {frame} w5 {frame} w12"
-    assert r.trajectories[4] == f"{text} w6 <|im_end|> <|im_start|> user w1 w2 w3 <|im_end|> <|im_start|>"  # a reply's
-    # <|im_end|> is no stop: it stays, and so does the reply's last token the budget let in
+    # a reply's <|im_end|> is no stop: it stays, and so does the last reply token the budget let in
+    assert r.trajectories[4] == f"{text} w6 <|im_end|> <|im_start|> user w1 w2 w3 <|im_end|> <|im_start|>"
 
 
 class GatedTools(WordTools):
