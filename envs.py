@@ -212,7 +212,7 @@ class EnvDriver:
                 continue
             if getattr(self.envs[i], "ends_turn", _at_stop)(text, end[i]):
                 self._pending[i] = (self.pool.submit(self.envs[i].turn, text, end[i]), end[i])
-                self._text[i], end[i] = [], False
+                self._text[i], end[i] = [], end[i] and left[i] == 0  # a stop on its last budget token ends the row
         device = tok.device
         return tok.new_tensor(ids), *(torch.tensor(x, device=device) for x in (own, reply, end))
 

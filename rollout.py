@@ -134,7 +134,6 @@ def _autocast(model, dtype):
     return torch.autocast(p.device.type, dtype=dtype, enabled=dtype not in (None, p.dtype, torch.float32))
 
 
-@torch.no_grad()
 def sample(
     model,
     tokenizer,
@@ -182,7 +181,7 @@ def sample(
     cache = _Cache(config=model.config)
     cached = _cache_kwarg(model.get_decoder() if hasattr(model, "get_decoder") else model, cache)  # peft: **kwargs
     try:
-        with _autocast(model, dtype):  # one context for the whole loop: autocast casts each weight once
+        with torch.no_grad(), _autocast(model, dtype):  # one context for the loop: autocast casts each weight once
             pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
             logits = (
                 model(input_ids=ids, attention_mask=mask, position_ids=pos, **cached, use_cache=True, logits_to_keep=1)

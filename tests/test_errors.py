@@ -590,6 +590,23 @@ def test_resume_with_overwrite_is_refused(model_dir, tmp_path, capsys, monkeypat
     assert files(out) == before
 
 
+def test_resume_of_a_run_whose_metrics_file_is_a_directory_is_one_line(model_dir, tmp_path, capsys):
+    """Fails if --resume reads or appends to a metrics.jsonl that is a directory (defect 8 of issue 42: an
+    IsADirectoryError traceback) instead of refusing in one line that names it, or touches that directory or the
+    checkpoint."""
+    out = str(tmp_path / "run")
+    run_script(TRAIN, train_args(model_dir, out, steps=1))
+    metrics = os.path.join(out, "metrics.jsonl")
+    os.remove(metrics)
+    os.mkdir(metrics)
+    with open(os.path.join(metrics, "notes.txt"), "w") as f:
+        f.write("a user's notes")
+    before = files(out)
+    code, line = script_error(TRAIN, ["--resume", out, "--steps", 2], capsys)
+    assert_one_line(code, line, 2, metrics, "not a file")
+    assert files(out) == before and os.path.isdir(metrics) and ckpt_step(out) == 1
+
+
 @pytest.mark.parametrize("damage", ["torn", "blank"])
 def test_resume_drops_a_torn_last_line_and_blank_lines_of_the_metrics(model_dir, tmp_path, damage):
     out = str(tmp_path)

@@ -232,3 +232,18 @@ def test_cli_bad_ckpt_is_a_one_line_error(tmp_path, capsys, what, message):
     assert e.value.code == 2 and "Traceback" not in err  # a usage error: argparse's one line
     assert "eval.py: error: " in err.strip().splitlines()[-1] and message in err.strip().splitlines()[-1], err
     assert not list(tmp_path.glob("*.tmp"))  # the output probe does not stay behind
+
+
+@pytest.mark.parametrize("n, note", [(64, True), (4, False)])
+def test_cli_notes_when_a_questions_samples_outnumber_the_batch(model_dir, tmp_path, capsys, n, note):
+    """eval.py --n N --batch-size 4 decodes each question's N samples together, so a batch is N rows, not 4. Fails if
+    the note that says so (naming --n and --batch-size with their values) is missing for N = 64, or printed where N
+    fits the batch (N = 4)."""
+    out = tmp_path / "preds.jsonl"
+    argv = ["--task", "toy", "--model", model_dir, "--limit", 1, "--max-new-tokens", 2, "--n", n, "--batch-size", 4]
+    run_script(EVAL, argv + ["--device", "cpu", "--dtype", "float32", "--out", out])
+    notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note:") and "--batch-size" in x]
+    assert len(notes) == note, notes
+    if note:
+        assert "--n 64" in notes[0] and "--batch-size 4" in notes[0] and "64 samples decode together" in notes[0]
+    assert len(json.loads(out.read_text())["completions"]) == n  # the evaluation ran, with all its samples

@@ -1,6 +1,7 @@
-"""Tests that kill mutmut's survivors in grpo.py and rewards.py (`mutmut run --max-children 1`; BENCHMARKS.md lists
-the run and the equivalent mutants). Each docstring names the planted defect (the mutant) it catches; the expected
-values are hand calculations or the papers' formulas, fp64 where a boundary must be hit exactly."""
+"""Tests that kill mutmut's survivors in grpo.py and rewards.py (`mutmut run --max-children 1 "grpo.*" "rewards.*"`;
+BENCHMARKS.md lists the run and the equivalent mutants). Each docstring names the planted defect (the mutant) it
+catches; the expected values are hand calculations or the papers' formulas, fp64 where a boundary must be hit
+exactly."""
 
 import math
 import re

@@ -564,3 +564,49 @@ def test_real_model_sample_logp_matches_teacher_forced(real_model):
             )
         # fp32 (no dtype: no autocast), 30 layers of width 576 summed in other orders: 2e-5 measured
         assert_close_scaled(logp[m], r.sample_logp[m], DECODE)
+
+
+@pytest.mark.parametrize(
+    "G, max_new, T", [(0, 4, 1.0), (2, 0, 1.0), (2, 4, -0.5)], ids=["group", "budget", "temperature"]
+)
+def test_sample_refuses_a_group_a_budget_or_a_temperature_out_of_range(tiny_tok, tiny_model, G, max_new, T):
+    """Fails if G < 1, max_new_tokens < 1 or a negative temperature is sampled from (or refused without saying which
+    values), or if a budget of one token is refused."""
+    with pytest.raises(ValueError, match=r"need G, max_new_tokens >= 1, temperature >= 0") as e:
+        sample(
+            tiny_model, tiny_tok, PROMPTS[:1], G, max_new_tokens=max_new, stop_ids=[EOS], sampler=Sampler(temperature=T)
+        )
+    assert f"({G}, {max_new}, Sampler(temperature={T}))" in str(e.value)
+    r = sample(tiny_model, tiny_tok, PROMPTS[:1], 2, max_new_tokens=1, stop_ids=[EOS], generator=_gen())
+    assert r.completion_ids.shape == (2, 1) and r.completion_mask.sum() == 2
+
+
+def test_sample_computes_in_the_dtype_it_is_given(tiny_tok, tiny_model):
+    """dtype bfloat16 on fp32 weights: the prefill and every decode step run under bf16 autocast; dtype None: none
+    does. Fails if sampling ignores its dtype (fp32 compute where bf16 was asked: not the numerics train.py logs)."""
+    seen = []
+    tiny_model.model.register_forward_pre_hook(
+        lambda mod, args: seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
+    )
+    for dtype, want in ((torch.bfloat16, torch.bfloat16), (None, False)):
+        seen.clear()
+        sample(tiny_model, tiny_tok, PROMPTS[:2], 2, max_new_tokens=4, stop_ids=[EOS], generator=_gen(), dtype=dtype)
+        assert len(seen) >= 2 and set(seen) == {want}, (dtype, seen)
+
+
+def test_sample_positions_are_the_cumsum_of_the_mask_under_absolute_positions(tiny_tok):
+    """GPT-2 learns one embedding per absolute position (a RoPE model sees only differences, so an offset shared by
+    every token leaves it unchanged): the decode loop's log-probs equal the teacher-forced pass's (positions
+    cumsum(mask) - 1, left padding skipped) within conftest's DECODE bound. Fails if sampling's positions are off."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=len(VOCAB), n_embd=32, n_layer=2, n_head=4, initializer_range=0.3, bos_token_id=1, eos_token_id=EOS
+    )
+    model = GPT2LMHeadModel(config).eval()
+    r = sample(model, tiny_tok, PROMPTS, 2, max_new_tokens=12, stop_ids=[EOS], generator=_gen(2))
+    assert (r.prompt_mask == 0).any(), "the test needs left padding"
+    C, m = r.completion_ids.size(1), r.completion_mask.bool()
+    logp = token_logprobs(model, r.input_ids, r.attention_mask, C)[0]
+    assert_close_scaled(logp[m], r.sample_logp[m], DECODE)

@@ -48,12 +48,6 @@ PROMPTS = [
 ]
 
 
-def stub(tok, max_calls=2, calls=("w5",)):
-    import envs
-
-    return envs.EnvDriver(WordTools(max_calls, calls=calls, errors=("w7",), reply="w1"), tok)
-
-
 def gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
@@ -98,22 +92,31 @@ class Forced(torch.nn.Module):
 
 
 B = 28  # scripted_rollout's budget: room for three calls (3 x 8 tokens) and an answer
+LONG = [EOS, W["<|im_start|>"], W["user"], W["w1"], W["w2"], W["w3"], EOS, W["<|im_start|>"], W["assistant"]]
+
+
+def stub(tok, max_calls=2, calls=("w5",), replies=None):
+    import envs
+
+    return envs.EnvDriver(WordTools(max_calls, calls=calls, errors=("w7",), reply="w1", replies=replies), tok)
 
 
 def scripted_rollout(model, tok):
     """Six rows (one prompt each, G=1), B = 28 new tokens, stop ids [<|endoftext|>, <|im_end|>] (pad:
-    <|endoftext|>), at most 2 calls: 0 calls; 1 call then a stop; 2 calls (the second an error) then a stop; a call at
-    every turn (the third, past the limit, gets an error reply) then an answer; a call on step 26 whose reply the
-    budget cuts after 1 token; a call on the last budget token (step 27: neither run nor counted)."""
+    <|endoftext|>), at most 2 calls; w6 is a call whose reply is 9 tokens (LONG). A turn runs only where more than the
+    shortest reply (7 tokens: REPLY's length) is left after it. Rows: 0 calls; 1 call then a stop; 2 calls (the second
+    an error) then a stop; a call at every turn (the third, past the limit, gets an error reply) then an answer; a w6
+    call on step 20 (own token 19, 28 - 20 = 8 tokens left: it runs) whose reply the budget cuts after 8 tokens; calls
+    on steps 21, 27 and 28 (7, 1 and 0 tokens left: none runs or counts)."""
     w = [W[f"w{i}"] for i in range(41)]
-    words = [w[i] for i in range(13, 41)]  # 28 words without a call (w5, w7) among them
+    words = [w[i] for i in range(13, 41)]  # 28 words without a call (w5, w6, w7) among them
     script = [
         [w[10], w[11], EOS],
         [w[5], *[_] * L, w[12], EOS],
         [w[5], *[_] * L, W["w7"], *[_] * L, EOS],
         [w[5], *[_] * L, w[5], *[_] * L, w[5], *[_] * L, w[12], EOS],
-        [*words[:26], w[5], _],
-        [*words[:27], w[5]],
+        [*words[:19], w[6], *[_] * 8],
+        [*words[:20], w[5], *words[21:26], w[5], w[5]],
     ]
     prompts = [PROMPTS[i % 3] for i in range(6)]
     return sample(
@@ -124,27 +127,28 @@ def scripted_rollout(model, tok):
         max_new_tokens=B,
         stop_ids=[ENDOFTEXT, EOS],
         generator=gen(),
-        env=stub(tok),
+        env=stub(tok, replies={"w6": "w1 w2 w3"}),
     )
 
 
 def test_rows_finish_at_different_turns_and_masks_are_exact_by_hand():
     """Fails if a reply's frame is not fed whole (its <|im_end|> taken for the row's stop), if the call past the limit
-    ends the row instead of an error reply, if the last budget token's call runs, or if a mask, a count or the own
-    text is off (completions holding a reply's words, a turn boundary lost)."""
+    ends the row instead of an error reply, if a call with 8 tokens left does not run or one with 7, 1 or 0 left
+    does, if the budget's cut of a reply loses its last token or leaves the row untruncated, or if a mask, a count or
+    the own text is off (completions holding a reply's words, a turn boundary lost)."""
     tok = make_tokenizer()
     r = scripted_rollout(tiny(), tok)
     w = {i: W[f"w{i}"] for i in range(41)}
     words = [w[i] for i in range(13, 41)]
     P = ENDOFTEXT  # the pad id: stop_ids[0]
-    # lengths by hand: 3; 1 + 7 + 2 = 10; 1 + 7 + 1 + 7 + 1 = 17; 3 * (1 + 7) + 2 = 26; 26 + 1 + 1 = 28; 27 + 1 = 28
+    # lengths by hand: 3; 1 + 7 + 2 = 10; 1 + 7 + 1 + 7 + 1 = 17; 3 * (1 + 7) + 2 = 26; 20 + 8 = 28; 28
     rows = [
         [w[10], w[11], EOS],
         [w[5], *REPLY, w[12], EOS],  # the reply's own <|im_end|> (REPLY[0], REPLY[4]) did not stop the row
         [w[5], *REPLY, W["w7"], *REPLY, EOS],
         [w[5], *REPLY, w[5], *REPLY, w[5], *REPLY, w[12], EOS],  # the third call's reply is the limit's error
-        [*words[:26], w[5], REPLY[0]],  # cut 1 token into the reply
-        [*words[:27], w[5]],  # its call on the last budget token: no reply
+        [*words[:19], w[6], *LONG[:8]],  # cut 1 token before the reply's end
+        [*words[:20], w[5], *words[21:26], w[5], w[5]],  # 7, 1, 0 tokens left after its calls: no reply
     ]
     assert r.completion_ids.tolist() == [x + [P] * (B - len(x)) for x in rows]
     own = [
@@ -152,29 +156,31 @@ def test_rows_finish_at_different_turns_and_masks_are_exact_by_hand():
         [1] + [0] * L + [1, 1],
         [1] + [0] * L + [1] + [0] * L + [1],
         [1] + [0] * L + [1] + [0] * L + [1] + [0] * L + [1, 1],
-        [1] * 27 + [0],
+        [1] * 20 + [0] * 8,
         [1] * 28,
     ]
     assert r.completion_mask.tolist() == [x + [0] * (B - len(x)) for x in own]
     assert r.env_mask.int().tolist() == [[1 - v for v in x] + [0] * (B - len(x)) for x in own]
     assert r.attention_mask[:, -B:].tolist() == [[1] * len(x) + [0] * (B - len(x)) for x in rows]
-    assert r.truncated.tolist() == [False, False, False, False, True, True]  # the budget: no stop
-    assert state(r, "tool_calls").tolist() == [0, 1, 2, 3, 1, 0] and state(r, "tool_errors").tolist() == [
-        0,
-        0,
-        1,
-        1,
-        0,
-        0,
-    ]
+    assert r.truncated.tolist() == [False, False, False, False, True, True]  # the budget ended them
+    assert state(r, "tool_calls").tolist() == [0, 1, 2, 3, 1, 0]
+    assert state(r, "tool_errors").tolist() == [0, 0, 1, 1, 0, 0]
     assert (r.sample_logp[r.env_mask] == 0).all() and not (r.completion_mask.bool() & r.env_mask).any()
     # completions: the model's own words only, a turn a line (a stop alone is no turn); trajectories: the replies too
-    text = " ".join(f"w{i}" for i in range(13, 39))
-    assert r.completions == ["w10 w11", "w5\nw12", "w5\nw7", "w5\nw5\nw5\nw12", f"{text} w5", f"{text} w39 w5"]
+    text = " ".join(f"w{i}" for i in range(13, 32))
+    assert r.completions == [
+        "w10 w11",
+        "w5\nw12",
+        "w5\nw7",
+        "w5\nw5\nw5\nw12",
+        f"{text} w6",
+        f"{text} w32 w5 w34 w35 w36 w37 w38 w5 w5",
+    ]
     frame = "<|im_end|> <|im_start|> user w1 <|im_end|> <|im_start|> assistant"
     assert r.trajectories[:2] == ["w10 w11", f"w5 {frame} w12"]  # the row's own stop token left out
     assert r.trajectories[3] == f"w5 {frame} w5 {frame} w5 {frame} w12"
-    assert r.trajectories[4] == f"{text} w5 <|im_end|>"  # a reply's <|im_end|> is no stop: it stays
+    # a reply's <|im_end|> is no stop: it stays, and so does the last reply token the budget let in
+    assert r.trajectories[4] == f"{text} w6 <|im_end|> <|im_start|> user w1 w2 w3 <|im_end|> <|im_start|>"
 
 
 class GatedTools(WordTools):
@@ -324,7 +330,7 @@ def test_reply_tokens_get_exactly_zero_loss_and_gradient(rollout_with_replies, l
     a torch.where that lets a NaN through), or if the loss differs from the same terms with the replies deleted."""
     r, model, ref = rollout_with_replies
     own, reply = r.completion_mask.bool(), r.env_mask  # (N, C) each
-    assert reply.sum() == 43 and own.sum() == 69  # by hand: 7 + 14 + 21 + 1 replies; 3 + 3 + 3 + 5 + 27 + 28 own
+    assert reply.sum() == 50 and own.sum() == 62  # by hand: 7 + 14 + 21 + 8 replies; 3 + 3 + 3 + 5 + 20 + 28 own
     extra = {} if variant == "token" else dict(importance_level="sequence", entropy_coef=0.01, top_entropy_quantile=0.5)
     obj = grpo.Objective(beta=0.04, kl_estimator=kl_estimator, loss_type=loss_type, max_new_tokens=B, **extra)
     is_mode = "token_truncate" if variant == "token" else "sequence_truncate"
@@ -469,6 +475,103 @@ def test_training_logprobs_are_the_models_forward_on_the_trajectory_and_match_sa
     assert (blind[after] - r.sample_logp[after]).abs().max() > 1e-2
 
 
+def test_each_token_is_drawn_with_its_rows_uniform_at_its_own_count():
+    """sample draws one uniform per row and budget token up front (torch.rand(N, max_new_tokens) from the generator);
+    the token at a row's trajectory position t (its own tokens and the replies it read before it: t of them) takes
+    u[row, t], by inverse CDF of the model's distribution there (the teacher-forced forward on the trajectory). Checked
+    on every own token, those on the budget's last position included. Fails if a token takes another row's or another
+    step's uniform (replies left out of the count, the last token's clamped to the one before)."""
+    from rollout import sample_from_logits
+
+    tok, model, T, B = make_tokenizer(), tiny(), 0.8, 24
+    env = stub(tok, max_calls=2, calls=tuple(f"w{i}" for i in range(0, 90, 15)))
+    sampler = Sampler(temperature=T)
+    r = sample(model, tok, PROMPTS, 3, max_new_tokens=B, stop_ids=[EOS], sampler=sampler, generator=gen(0), env=env)
+    u = torch.rand(r.completion_ids.size(0), B, generator=gen(0))  # (N, B): sample's, drawn the same way
+    own = r.completion_mask.bool()  # (N, C)
+    assert own[:, B - 1].any() and (own & (r.env_mask.long().cumsum(1) > 0)).any(), "the test needs both"
+    with torch.no_grad():
+        for i in range(own.size(0)):
+            prompt, n = r.prompt_ids[i][r.prompt_mask[i].bool()], int((own[i] | r.env_mask[i]).sum())
+            ids = torch.cat([prompt, r.completion_ids[i, :n]])  # the trajectory, unpadded
+            z = sampler.logits(model(input_ids=ids[None]).logits[0, len(prompt) - 1 : -1])  # (n, V): token t's
+            for t in own[i].nonzero().squeeze(1).tolist():
+                assert sample_from_logits(z[t : t + 1], u[i, t : t + 1]).item() == r.completion_ids[i, t], (i, t)
+
+
+class Held(WordTools):
+    """The stub, slow: each turn waits until the test releases it (`hold` decode steps after it was submitted, or at
+    once when every row left waits on one, as the real step would block), so its row is a hole meanwhile."""
+
+    def __init__(self, hold, **kw):
+        super().__init__(**kw)
+        self.hold, self.gates = hold, []
+
+    def __call__(self):
+        env, gate = toy.WordToolEnv(self), threading.Event()
+        self.gates.append(gate)
+        env.turn = partial(self.held, gate, env.turn)
+        return env
+
+    def held(self, gate, turn, text, stopped):
+        assert gate.wait(10), "the test never released the turn"
+        gate.clear()
+        return turn(text, stopped)
+
+    def drive(self, driver):
+        """Wrap driver.step: before each step, release each turn pending `hold` steps, or every one where all the
+        rows left wait; after it, count the holes (rows neither fed their own token nor a reply's) -> the counts."""
+        real, age, holes = driver.step, {}, []
+
+        def step(tok, done, stopped, left):
+            pending = {i: p[0] for i, p in enumerate(driver._pending) if p is not None and not done[i]}
+            for future in pending.values():
+                age[future] = age.get(future, 0) + 1
+            everyone = len(pending) == int((~done).sum())
+            for i, future in pending.items():
+                if age[future] == self.hold or (everyone and age[future] < self.hold):
+                    age[future] = self.hold + 1  # released once
+                    self.gates[i].set()
+            out = real(tok, done, stopped, left)
+            holes.append(~done & ~out[1] & ~out[2])  # (N,)
+            return out
+
+        driver.step = step
+        return holes
+
+
+def test_training_logprobs_match_sampling_on_rows_that_waited():
+    """Rows whose tool answers only 3 decode steps after their call: they are holes meanwhile (no token, no position,
+    no uniform; a masked cache column), while the other rows decode on. Fails if a hole leaves a trace in the row's
+    context (its column attended, a position counted): the decode loop's log-probs of the own tokens after it would
+    no longer be the teacher-forced pass's on the trajectory (within conftest's DECODE bound)."""
+    import envs
+
+    tok, model, T = make_tokenizer(), tiny(), 0.8
+    tools = Held(3, max_calls=2, calls=tuple(f"w{i}" for i in range(0, 90, 15)), errors=("w7",), reply="w1")
+    env = envs.EnvDriver(tools, tok)
+    holes = tools.drive(env)
+    r = sample(
+        model,
+        tok,
+        PROMPTS,
+        3,
+        max_new_tokens=24,
+        stop_ids=[EOS],
+        sampler=Sampler(temperature=T),
+        generator=gen(0),
+        env=env,
+    )
+    C, own, reply = r.completion_ids.size(1), r.completion_mask.bool(), r.env_mask
+    waited = torch.stack(holes, 1).any(1)  # (N,) rows that were a hole at some step
+    after = own & (reply.long().cumsum(1) > 0) & waited[:, None]  # own tokens after a reply, in rows that waited
+    assert waited.sum() >= 2 and after.sum() >= 5, "the test needs rows that waited and went on after the reply"
+    assert torch.stack(holes).sum() >= 2 * int(waited.sum())  # each waited 2 steps or more
+    logp = token_logprobs(model, r.input_ids, r.attention_mask, C, sampler=Sampler(temperature=T))[0]  # (N, C)
+    assert_close_scaled(r.sample_logp[own], logp[own], DECODE)
+    assert (r.sample_logp[~own] == 0).all()
+
+
 # -----------------------------------------------------------------------------
 # 4. the real ToolEnv on SmolLM2: errors are replies and the row goes on
 
@@ -585,6 +688,7 @@ TOY_CALL, TOY_ERROR = toy.VOCAB["w5"], toy.VOCAB["w7"]
 TOY_FRAME = ("<|im_end|>", "<|im_start|>", "user", "w2", "<|im_end|>", "<|im_start|>", "assistant")  # tests/toy.py's
 TOY_REPLY = [toy.VOCAB[w] for w in TOY_FRAME]  # the stub's reply "w2" in the toy template's frame: 7 tokens
 BUDGET = 12  # train_args' --max-new-tokens
+LEAST = 7  # the shortest reply in the toy template, `<|im_end|> <|im_start|> user X <|im_end|> <|im_start|> assistant`
 TOOL_KEYS = ("env/tool_calls", "env/tool_errors", "env/called", "env_tokens")
 
 
@@ -605,9 +709,10 @@ def tool_tasks(monkeypatch):
 
 def replay(r, max_calls=4):
     """Walk each row's trajectory as the stub's rules say, without its code: an own w5 / w7 is a call (w7 an error),
-    unless it is the row's last budget token (then it is not run, not counted, and the row ends); past max_calls a
-    call is an error too; either way the reply's tokens follow, up to the budget; an own stop ends the row ->
-    (env_mask (N, C), calls (N,), errors (N,), reply tokens the budget cut (N,))."""
+    unless at most LEAST tokens of the budget are left after it (the model could not act on a reply: it is not run,
+    not counted, and the row goes on); past max_calls a call is an error too; either way the reply's tokens follow, up
+    to the budget; an own stop ends the row, which is truncated where it did not end so -> (env_mask (N, C), calls
+    (N,), errors (N,), reply tokens the budget cut (N,))."""
     N, C = r.completion_ids.shape
     env, calls, errors, cut = torch.zeros(N, C, dtype=torch.bool), [0] * N, [0] * N, [0] * N
     for i in range(N):
@@ -616,10 +721,8 @@ def replay(r, max_calls=4):
         while t < n:
             assert own[t], (i, t)  # every token that is not a reply is the model's own
             if ids[t] == toy.EOS:
-                assert t == n - 1 and not r.truncated[i], (i, t)  # an own stop ends the row
-            if ids[t] in (TOY_CALL, TOY_ERROR) and t == BUDGET - 1:
-                assert t == n - 1 and r.truncated[i], (i, t)  # a call on the last budget token: the row's end
-            elif ids[t] in (TOY_CALL, TOY_ERROR):
+                assert t == n - 1, (i, t)  # an own stop ends the row
+            if ids[t] in (TOY_CALL, TOY_ERROR) and BUDGET - 1 - t > LEAST:  # t tokens before it: BUDGET - 1 - t after
                 error = ids[t] == TOY_ERROR or calls[i] >= max_calls  # the limit's reply is an error
                 calls[i], errors[i] = calls[i] + 1, errors[i] + error
                 k = min(len(TOY_REPLY), BUDGET - t - 1)
@@ -627,6 +730,7 @@ def replay(r, max_calls=4):
                 env[i, t + 1 : t + 1 + k], cut[i], t = True, cut[i] + len(TOY_REPLY) - k, t + 1 + k
                 continue
             t += 1
+        assert bool(r.truncated[i]) == (ids[n - 1] != toy.EOS or not own[n - 1]), i  # the budget ended it
     return env, torch.tensor(calls), torch.tensor(errors), torch.tensor(cut)
 
 
@@ -791,6 +895,37 @@ def test_train_with_tools_on_two_processes_equals_one(model_dir, tmp_path, tool_
     toy.assert_same_training(g["policy"].state_dict(), p0)  # all but a handful of elements to 1e-6 (its docstring)
     init = fresh_toy_state(model_dir)
     assert max((p0[k] - v).abs().max() for k, v in init.items()) > 1e-4  # the run trained
+
+
+class NoteEnv(toy.WordToolEnv):
+    def state(self):  # a note beside the numbers: nothing to average
+        return {**super().state(), "note": "see the log"}
+
+
+class NoteTools(WordTools):
+    def __call__(self):
+        return NoteEnv(self)
+
+
+def note_tools(tokenizer):
+    import envs
+
+    return envs.EnvDriver(NoteTools(), tokenizer)
+
+
+def test_a_state_value_that_is_no_number_is_one_line(model_dir, tmp_path, capsys, monkeypatch):
+    """Environment states are reward fields and are averaged into env/ metrics (train.py's steps, evaluate). Fails if a
+    string value gets past train.py's start-up probe (a traceback mid-run, or a mean of nothing) instead of one line
+    naming the key, or past the end of a rollout (rollout.sample, as evaluate runs it)."""
+    import envs
+
+    monkeypatch.setitem(TASKS, "toy_note", toy.TOOL_TASK._replace(env=note_tools))
+    code, line = toy.error_of(TRAIN, train_args(model_dir, str(tmp_path / "run"), "--task", "toy_note"), capsys)
+    assert code == 2 and "'note'" in line and "number" in line, (code, line)
+    assert not (tmp_path / "run").exists()  # refused before the run began
+    tok = make_tokenizer()
+    with pytest.raises(ValueError, match="'note'.*number"):
+        sample(tiny(), tok, PROMPTS, 1, max_new_tokens=4, stop_ids=[EOS], env=envs.EnvDriver(NoteTools(), tok))
 
 
 # -----------------------------------------------------------------------------
