@@ -108,9 +108,10 @@ def parse(p, ranges, constants, argv=None, knobs=()):
             p.error(f"--resume {resume}: the checkpoint is at step {done}; pass --steps > {done} to train further")
         for k in IDENTITY:
             if k in saved and saved[k] != getattr(args, k):
+                name = f"--{k.replace('_', '-')}" if k in flags else k  # a flag, or a config key
                 p.error(
-                    f"--resume {resume}: the run was trained with --{k.replace('_', '-')} {saved[k]!r}, not "
-                    f"{getattr(args, k)!r}; resuming would mix two runs: drop that flag or start a new --out-dir"
+                    f"--resume {resume}: the run was trained with {name} {saved[k]!r}, not {getattr(args, k)!r}; "
+                    "resuming would mix two runs: drop that value or start a new --out-dir"
                 )
     return args, ckpt, {k for k, v in vars(args).items() if v != defaults.get(k, v)}
 

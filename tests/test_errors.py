@@ -569,6 +569,19 @@ def test_resume_with_another_model_task_or_lora_rank_is_refused(model_dir, tmp_p
     assert files(out) == before
 
 
+def test_resume_with_other_task_options_is_refused(model_dir, tmp_path, capsys):
+    """A run of 1-digit sums resumed on 2-digit ones would mix two runs. Fails if run.IDENTITY drops task_options (the
+    resume goes on with other data) or the line names neither value; the run's files stay as they were."""
+    out = str(tmp_path / "run")
+    argv = train_args(model_dir, out, "--config", "task_options={'digits': 1}", steps=1)
+    argv[argv.index("toy")] = "arith"
+    run_script(TRAIN, argv)
+    before = files(out)
+    code, line = script_error(TRAIN, ["--resume", out, "--steps", 2, "--config", "task_options={'digits': 2}"], capsys)
+    assert_one_line(code, line, 2, "task_options", "'digits': 1", "'digits': 2")
+    assert files(out) == before
+
+
 @pytest.mark.parametrize("steps", [None, 1, 2], ids=["the-checkpoint's", "1", "2"])
 def test_resume_to_a_step_already_reached_is_refused(model_dir, tmp_path, capsys, steps):
     out = str(tmp_path / "run")
