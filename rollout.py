@@ -156,7 +156,9 @@ def sample(
     token a step, and decodes on; a row waiting on it is a hole (masked out, no position, no budget, no uniform),
     dropped from the Rollout: a row's tokens do not depend on how long its environment took."""
     if group_size < 1 or max_new_tokens < 1 or not sampler.temperature >= 0:
-        raise ValueError(f"need G, max_new_tokens >= 1, temperature >= 0: {group_size, max_new_tokens, sampler}")
+        raise ValueError(
+            f"need G, max_new_tokens >= 1, temperature >= 0: {group_size, max_new_tokens, sampler.temperature}"
+        )
     G = group_size
     was_training = model.training
     model.eval()  # no dropout, and HF drops the KV cache in train mode under gradient checkpointing

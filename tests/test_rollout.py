@@ -576,7 +576,7 @@ def test_sample_refuses_a_group_a_budget_or_a_temperature_out_of_range(tiny_tok,
         sample(
             tiny_model, tiny_tok, PROMPTS[:1], G, max_new_tokens=max_new, stop_ids=[EOS], sampler=Sampler(temperature=T)
         )
-    assert f"({G}, {max_new}, Sampler(temperature={T}))" in str(e.value)
+    assert f"({G}, {max_new}, {T})" in str(e.value)  # the values, whatever else a Sampler holds
     r = sample(tiny_model, tiny_tok, PROMPTS[:1], 2, max_new_tokens=1, stop_ids=[EOS], generator=_gen())
     assert r.completion_ids.shape == (2, 1) and r.completion_mask.sum() == 2
 
