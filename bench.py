@@ -195,7 +195,7 @@ def trl_child(out):
     from trl import GRPOConfig, GRPOTrainer
 
     from models import load_tokenizer, resolve_model
-    from rewards import combine_rewards
+    from rewards import REWARDS, combine_rewards
     from tasks import TASKS
 
     task = TASKS["gsm8k"]
@@ -204,7 +204,8 @@ def trl_child(out):
 
     def reward(completions, answer, **_):  # TRL passes chat completions as message lists
         texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
-        return combine_rewards(task.reward_fns, task.reward_weights, texts, answer=answer)[0]
+        fns = {k: {**REWARDS, **task.reward_fns}[k] for k in task.reward_weights}  # what train.py scores it with
+        return combine_rewards(fns, task.reward_weights, texts, answer=answer)[0]
 
     class Timer(TrainerCallback):
         rows, t0 = [], None

@@ -9,28 +9,20 @@ again. A tool is a plain function: its name, type hints and Google-style docstri
 One call per assistant turn: the environment replies at the first complete call."""
 
 import ast
-import functools
 import inspect
-import itertools
 import json
 import math
 import operator
-import os
 import re
-import select
-import shutil
-import signal
-import stat
-import subprocess
-import sys
-import tempfile
 import threading
-import time
 from collections import deque
+from functools import partial
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import torch
 from transformers.utils import get_json_schema
+
+import sandbox
 
 MAX_CHARS, MAX_DIGITS, MAX_EXPONENT = 200, 100, 64  # far beyond word-problem arithmetic; each op stays instant
 OPS = {
@@ -113,15 +105,17 @@ class EnvDriver:
     """One rollout's environments, stepped once per decode step by rollout.sample. `make()` gives a row's environment,
     an object with
         reset(example) -> an opening message (a user message appended to the prompt) or None;
-        ends_turn(text, stopped) -> bool, cheap: whether the row's own text since its last reply (its stop token left
-            out; stopped: the row just sampled one) ends a turn the environment answers;
-        turn(text, stopped) -> (reply, done): run in a worker thread while the other rows decode on; reply: a user
+        turn(text, stopped) -> (reply, done): the row's own text since its last reply (its stop token left out;
+            stopped: the row just sampled one), run in a worker thread while the other rows decode on; reply: a user
             message's text, a chat message dict (a "tool" message), or None; done: the row ends here;
-        state() -> dict of numbers (reward fields and metrics: tool_calls, tool_errors, attempts ...).
+        state() -> dict of numbers: reward fields, eval.py's and the step's env/ metrics (tool_calls, attempts, ...);
+    and optionally ends_turn(text, stopped) -> bool, cheap: whether that text ends a turn (default: at the row's stop
+    token), and end(text): a row the budget cut ends with that text unanswered (a last judgement; no reply).
     `make` may also carry render(messages) -> (messages, template kwargs), how prompts show the environment, and
     turn_chars: only a token whose vocabulary string holds one of them may end a turn before the stop token (None:
     any token; absent: none). Replies are text: tokenized with special-token parsing off, max_reply_tokens at most;
-    only the chat template's frame around them is control tokens."""
+    only the chat template's frame around them is control tokens. A turn before the stop token runs only where the
+    budget left can hold the shortest reply and one more own token: else the model could never act on its reply."""
 
     def __init__(self, make, tokenizer, max_reply_tokens=64, workers=8):
         if not tokenizer.chat_template:
@@ -131,8 +125,10 @@ class EnvDriver:
         chars = getattr(make, "turn_chars", "")
         vocab = [str(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))]
         self._may_end = [chars is None or any(c in t for c in chars) for t in vocab]
-        self._tail = _after_mark(tokenizer, DUMMY, False, {})  # the template's end of an assistant turn
-        self.frame({"role": "user", "content": "0"}, False)  # the template's check, now rather than at the first turn
+        self._tail = _after_mark(tokenizer, DUMMY, add_generation_prompt=False)  # the template's end of a turn
+        self._least = len(
+            self.frame({"role": "user", "content": "0"}, stopped=False)
+        )  # the shortest reply; checks the template
         self.reset([], [], 1)
 
     def render(self, messages):
@@ -162,7 +158,7 @@ class EnvDriver:
         token the row wrote itself when stopped, up to the next assistant header) around the message's content,
         which is tokenized as text and cut to max_reply_tokens."""
         message = opening_msg(message)
-        suffix = _after_mark(self.tokenizer, DUMMY + [{**message, "content": REPLY}], True, {})
+        suffix = _after_mark(self.tokenizer, DUMMY + [{**message, "content": REPLY}], add_generation_prompt=True)
         if not suffix.startswith(self._tail):
             raise ValueError(
                 f"this chat template ends an assistant turn with {self._tail!r} but writes "
@@ -175,13 +171,14 @@ class EnvDriver:
         body = ids["input_ids"][: self.max_reply_tokens]
         return self._ids(head) + body + self._ids(tail)
 
-    def step(self, tok, done, stopped, last):
+    def step(self, tok, done, stopped, left):
         """One decode step: tok (N,) sampled, done (N,) rows already ended (left alone), stopped (N,) rows that
-        sampled a stop token, last (N,) rows on their last budget token -> tok (N,) what each row takes, own (N,) it is
-        the model's token, reply (N,) an environment's, end (N,) the row ends here. A row neither own nor reply waits
+        sampled a stop token, left (N,) each row's budget after this token -> tok (N,) what each row takes, own (N,) it
+        is the model's token, reply (N,) an environment's, end (N,) the row ends here. A row neither own nor reply waits
         on its environment's turn: a hole (masked like padding); when every row left waits, the step blocks for one.
-        A turn ending on a row's last budget token is not run, unless the row stopped (its answer is still checked)."""
-        N, ids = tok.numel(), tok.tolist()
+        A turn is not run where the row could not act on its reply (left too small), unless the row stopped (its
+        answer is still checked); on a row's last budget token its environment's end(text) judges what is left."""
+        N, ids, left = tok.numel(), tok.tolist(), left.tolist()
         own, reply, end = [False] * N, [False] * N, stopped.tolist()
         active = [i for i in range(N) if not done[i]]
         waiting = [self._pending[i][0] for i in active if self._pending[i] is not None]
@@ -199,38 +196,81 @@ class EnvDriver:
                     end[i] = True
                     continue
                 if message is not None:
-                    self._queue[i].extend(self.frame(message, at_stop))
+                    self._queue[i].extend(self.frame(message, stopped=at_stop))
             if self._queue[i]:
                 ids[i], reply[i], end[i] = self._queue[i].popleft(), True, False
                 continue
             own[i] = True
             self._text[i].append(ids[i])
-            if not (end[i] or (self._may_end[ids[i]] and not last[i])):
+            may_end = ids[i] < len(self._may_end) and self._may_end[ids[i]]  # models pad their vocabulary
+            if not (end[i] or left[i] == 0 or (may_end and left[i] > self._least)):
                 continue
             text = self.tokenizer.decode(self._text[i][: len(self._text[i]) - end[i]], skip_special_tokens=False)
-            if self.envs[i].ends_turn(text, end[i]):
+            if left[i] == 0 and not end[i]:  # the budget ends the row here: the environment may judge what is left
+                if hasattr(self.envs[i], "end"):
+                    self.envs[i].end(text)
+                continue
+            if getattr(self.envs[i], "ends_turn", _at_stop)(text, end[i]):
                 self._pending[i] = (self.pool.submit(self.envs[i].turn, text, end[i]), end[i])
-                self._text[i], end[i] = [], False
+                self._text[i], end[i] = [], end[i] and left[i] == 0  # a stop on its last budget token ends the row
         device = tok.device
         return tok.new_tensor(ids), *(torch.tensor(x, device=device) for x in (own, reply, end))
+
+    def texts(self, tokens, words, reply, is_stop):
+        """A rollout's rows, tokens (N, C), the model's own words (its tokens less each turn's stop token), the replies
+        and its stop tokens (N, C) each -> (its words, a turn a line; the conversation as the template writes it,
+        replies included, the row's final stop token left out; each row's environment state)."""
+        completions = []
+        for row, own, fed in zip(tokens.tolist(), words.tolist(), reply.tolist()):
+            turns = [[]]
+            for x, is_own, is_reply in zip(row, own, fed):
+                if is_reply and turns[-1]:
+                    turns.append([])
+                if is_own:
+                    turns[-1].append(x)
+            completions.append(
+                "\n".join(self.tokenizer.batch_decode([t for t in turns if t], skip_special_tokens=True))
+            )
+        n = (words | reply | is_stop).sum(1)  # (N,)
+        ends = n - is_stop.gather(1, (n - 1).clamp(min=0)[:, None]).squeeze(1).long()  # (N,)
+        decode = partial(self.tokenizer.decode, skip_special_tokens=False)
+        return completions, [decode(row[:e]) for row, e in zip(tokens.tolist(), ends.tolist())], self.states()
 
     def states(self):
         """Each row's environment state (N dicts), once its last turn has finished."""
         wait([p[0] for p in self._pending if p is not None])
-        return [env.state() for env in self.envs]
+        return [check_state(env.state()) for env in self.envs]
+
+    def probe(self, example):
+        """The state of a fresh environment reset on `example`: its keys are reward fields (checked before a run)."""
+        env = self.make()
+        env.reset(example)
+        return check_state(env.state())
 
     def _ids(self, text):
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template's own control tokens
+
+
+def _at_stop(text, stopped):  # an environment's default ends_turn: the row's own stop token ends its turn
+    return stopped
+
+
+def check_state(state):
+    """state, if every value is a number (they are averaged into metrics), else ValueError naming the key."""
+    for key, value in state.items():
+        if type(value) not in (bool, int, float):
+            raise ValueError(
+                f"environment state {key!r} is {value!r:.40}: a state value must be a number (bool, int, float)"
+            )
+    return state
 
 
 def opening_msg(message):
     return {"role": "user", "content": message} if isinstance(message, str) else message
 
 
-def _after_mark(tokenizer, messages, add_generation_prompt, template_kwargs):
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
-    )
+def _after_mark(tokenizer, messages, *, add_generation_prompt):
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     if MARK not in text:
         raise ValueError(f"this chat template drops an assistant message's content ({MARK!r}): no replies")
     return text.split(MARK, 1)[1]
@@ -352,11 +392,13 @@ class ToolRow:
         name, args, kwargs, _ = self.tools.parse(text)
         result, error = self.run(name, args, kwargs)
         self.calls, self.errors = self.calls + 1, self.errors + error
-        return self.tools.message(name, result), False
+        known = name if name in self.tools.tools else None  # a name the model made up never enters the frame
+        return self.tools.message(known, result), False
 
     def run(self, name, args, kwargs):
         """A call -> (text, is_error). It runs in a daemon thread joined up to the timeout: a call past it is
-        abandoned (Python cannot stop a thread), its result dropped; the calculator bounds its own work."""
+        abandoned (Python cannot stop a thread), its result dropped; the calculator bounds its own work. timeout None:
+        joined until it returns (python bounds its own time and returns once all it started has ended)."""
         tools = self.tools
         if self.calls >= tools.max_calls:
             return "error: call limit reached; give your answer", True
@@ -372,8 +414,8 @@ class ToolRow:
             return f"error: {name} timed out after {tools.timeout:g} s", True
         return box[0]
 
-    def state(self):
-        return {"tool_calls": self.calls, "tool_errors": self.errors}
+    def state(self):  # called: the row made a call (its mean: the call rate)
+        return {"tool_calls": self.calls, "tool_errors": self.errors, "called": float(self.calls > 0)}
 
 
 class ToolEnv(EnvDriver):
@@ -385,7 +427,8 @@ class ToolEnv(EnvDriver):
 
     def reply(self, name, result):
         """The text fed to a row after its call to `name` returned `result`: the template's frame around it."""
-        return self.tokenizer.decode(self.frame(self.make.message(name, result), False), skip_special_tokens=False)
+        framed = self.frame(self.make.message(name, result), stopped=False)
+        return self.tokenizer.decode(framed, skip_special_tokens=False)
 
 
 # -----------------------------------------------------------------------------
@@ -393,136 +436,32 @@ class ToolEnv(EnvDriver):
 
 
 class FeedbackEnv:
-    """One row's checker: at each finished answer (the row's stop token) it extracts the answer as the task scores
-    it (`extract`) and compares it with the example's (`match`); wrong with attempts left: the reply WRONG and the row
-    tries again, else the row ends. state(): attempts, first_correct, final_correct (the last attempt's)."""
+    """One row's checker: at each answer (the row's stop token, or where the budget cut it) check(text, example) gives
+    None when it is right, else the reply (arith_retry's: WRONG; a game's: a hint); with attempts left the row reads
+    the reply and tries again, else it ends. state(): attempts, first_correct, final_correct (the last attempt's)."""
 
-    WRONG = "Wrong; try again. End with a final line: #### <number>"
-
-    def __init__(self, extract, match, max_attempts=2):
-        self.extract, self.match, self.max_attempts = extract, match, max_attempts
+    def __init__(self, check, max_attempts=2):
+        self.check, self.max_attempts = check, max_attempts
 
     def reset(self, example):
-        self.gold, self.results = example["answer"], []
-
-    def ends_turn(self, text, stopped):
-        return stopped
+        self.example, self.results, self.reply = example, [], None
 
     def turn(self, text, stopped):
-        self.results.append(bool(self.match(self.extract(text), self.gold)))
+        self.end(text)
         if self.results[-1] or len(self.results) >= self.max_attempts:
             return None, True
-        return self.WRONG, False
+        return self.reply, False
+
+    def end(self, text):  # an answer, judged: at the row's stop token, or where the budget cut it
+        self.reply = self.check(text, self.example)
+        self.results.append(self.reply is None)
 
     def state(self):
         first, final = (self.results[0], self.results[-1]) if self.results else (False, False)
         return {"attempts": len(self.results), "first_correct": float(first), "final_correct": float(final)}
 
 
-# --- python: code in a sandboxed subprocess
-# A fresh interpreter per call, started by a small wrapper (SANDBOX_MAIN) that confines itself, then execs it. The
-# wrapper, not a preexec_fn, does the setup: a preexec_fn is unsafe in a process with threads (the rollout's).
-
-
-PY_TIMEOUT = 5.0  # wall seconds per call; the caller's own timeout must be longer to see this one's message
-PY_LIMITS = {  # per process: a 10 GB list is a MemoryError, a fork bomb stops at 64 processes
-    "RLIMIT_AS": 1 << 30,
-    "RLIMIT_FSIZE": 16 << 20,
-    "RLIMIT_NPROC": 64,
-    "RLIMIT_NOFILE": 64,
-    "RLIMIT_CORE": 0,
-}
-PY_READ = 64 << 10  # bytes read at most: past it the program is stopped
-PY_SHOW = 400  # characters shown: a reply costs the row's tokens
-PY_DISK = "32m"  # its directory is a tmpfs of this size where a mount namespace is made
-# a fresh unused uid per call (never reused while a process runs: a killed process's zombie still counts for
-# RLIMIT_NPROC until reaped), so limits and kills reach that call alone; the pid keeps processes apart
-PY_UID = 2_000_000_000
-PY_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
-_calls = itertools.count()  # next() is atomic: threads get distinct numbers
-
-SANDBOX_MAIN = r"""
-import ctypes, json, os, resource, signal, struct, sys
-conf = json.loads(sys.argv[1])
-libc = ctypes.CDLL(None, use_errno=True)
-L = ctypes.c_long
-NEWNS, NEWCGROUP, NEWUTS, NEWIPC = 0x20000, 0x2000000, 0x4000000, 0x8000000  # clone(2) flags
-NEWUSER, NEWPID, NEWNET = 0x10000000, 0x20000000, 0x40000000
-NOSUID_NODEV, BIND_REC, REC_PRIVATE = 0x2 | 0x4, 0x1000 | 0x4000, 0x4000 | 0x40000
-
-
-def ok(ret, what):
-    if ret < 0:
-        raise OSError(ctypes.get_errno(), what)
-    return ret
-
-
-def mount(src, dst, fstype, flags, data=None):
-    args = src and src.encode(), dst.encode(), fstype and fstype.encode(), L(flags), data and data.encode()
-    ok(libc.mount(*args), dst)
-
-
-ok(libc.prctl(1, L(signal.SIGKILL)), "pdeathsig")  # its caller gone: gone too
-if os.getppid() != conf["ppid"]:
-    os._exit(126)
-cwd, uid, exe = os.getcwd(), conf["uid"], conf["exe"]
-owner = os.getuid() if uid is None else uid
-with open("main.py", "rb") as f:
-    code = f.read()
-if conf["ns"]:  # a net namespace holds only a loopback, down; the pid one dies with its init
-    gid = os.getgid()
-    ok(libc.unshare(L(NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWPID | NEWNET | NEWUSER * conf["userns"])), "unshare")
-    if conf["userns"]:
-        maps = ("setgroups", "deny"), ("uid_map", "%d %d 1" % (owner, owner)), ("gid_map", "%d %d 1" % (gid, gid))
-        for name, text in maps:  # the same ids inside: files it makes are its own
-            with open("/proc/self/" + name, "w") as f:
-                f.write(text)
-    mount(None, "/", None, REC_PRIVATE)  # nothing mounted here shows outside
-    for hidden, path in conf["reveal"]:  # the interpreter under a directory its uid cannot enter (/root): only it
-        stash = os.path.join(cwd, "stash")
-        os.mkdir(stash)
-        mount(path, stash, None, BIND_REC)
-        mount("tmpfs", hidden, "tmpfs", NOSUID_NODEV, "mode=0755")
-        os.makedirs(path)
-        mount(stash, path, None, BIND_REC)
-        ok(libc.umount2(stash.encode(), 2), "umount")
-    mount("tmpfs", cwd, "tmpfs", NOSUID_NODEV, "size=%s,mode=0700,uid=%d,gid=%d" % (conf["disk"], owner, owner))
-    os.chdir(cwd)  # the tmpfs, not the directory under it
-    with open("main.py", "wb") as f:
-        f.write(code)
-    os.chown("main.py", owner, owner)
-for name, value in conf["limits"].items():
-    resource.setrlimit(getattr(resource, name), (value, value))
-if uid is not None:
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
-ok(libc.prctl(38, L(1), L(0), L(0), L(0)), "no_new_privs")
-if conf["landlock"]:  # writes only in cwd, reads of system and interpreter files only, no TCP, no signals out
-    abi = ok(libc.syscall(L(444), None, L(0), L(1)), "landlock")
-    fs = (1 << {1: 13, 2: 14, 3: 15, 4: 15}.get(abi, 16)) - 1
-    attr = struct.pack("QQQ", fs, 3, 3)[: {1: 8, 2: 8, 3: 8, 4: 16, 5: 16}.get(abi, 24)]
-    ruleset = ok(libc.syscall(L(444), attr, L(len(attr)), L(0)), "landlock ruleset")
-    rules = [(p, 13 if os.path.isdir(p) else 5) for p in conf["read"]]  # execute, read files (and dirs)
-    rules += [("/dev/null", 6), ("/dev/urandom", 4), (cwd, fs)]
-    for path, rights in rules:
-        if os.path.exists(path):
-            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
-            ok(libc.syscall(L(445), L(ruleset), L(1), struct.pack("=Qi", rights & fs, fd), L(0)), path)
-            os.close(fd)
-    ok(libc.syscall(L(446), L(ruleset), L(0)), "landlock restrict")
-if conf["ns"]:  # its first child is the namespace's init: when it ends, the kernel kills all it started
-    pid = os.fork()
-    if pid:
-        status = os.waitpid(pid, 0)[1]
-        if os.WIFSIGNALED(status) and os.WTERMSIG(status) != signal.SIGKILL:
-            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
-        if os.WIFSIGNALED(status):
-            os.kill(os.getpid(), os.WTERMSIG(status))
-        os._exit(os.waitstatus_to_exitcode(status) % 256)
-    libc.prctl(1, L(signal.SIGKILL))
-os.execv(exe, [exe, "-I", "-S", "-B", "-X", "utf8", "main.py"])
-"""
+# --- python: code run by sandbox.py, its reply made for the model
 
 
 def python(code: str) -> str:
@@ -531,208 +470,10 @@ def python(code: str) -> str:
     Args:
         code: the program; print the result, e.g. "print(48 / 2 + 48)"
     """
-    text, status = run_python(code)
-    if status is not None:
-        raise RuntimeError(f"{status}: {text}")
-    return text or "(no output: print the result)"
-
-
-def sandbox_protections():
-    """One line: what confines a python call here (printed at start-up by a task that uses it)."""
-    return _sandbox()[1]
-
-
-def run_python(code, timeout=PY_TIMEOUT):
-    """Run `code` confined as sandbox_protections() says -> (text, status): status None when it exited 0, else one
-    short line (exit code, signal, timeout, output cut); text its stdout and stderr as they came, decoded with
-    U+FFFD for bytes that are not UTF-8, the head shown (the tail after a failure: a traceback's last line)."""
-    conf = _sandbox()[0]
-    out, status = _run(conf, code, timeout)
-    text = out.decode("utf-8", errors="replace")
-    if len(text) > PY_SHOW and status is None:
-        text = text[:PY_SHOW] + f" [cut: {len(out)} bytes]"
-    if len(text) > PY_SHOW and status is not None:
-        text = f"[cut: {len(out)} bytes] " + text[-PY_SHOW:]
-    return text, status
-
-
-@functools.cache
-def _sandbox():
-    """The strongest configuration whose interpreter starts here -> (config, line). As root the code runs as an
-    unused uid or not at all."""
-    root = os.geteuid() == 0
-    for ns, landlock in (True, True), (True, False), (False, True), (False, False):
-        conf = _config(PY_UID if root else None, ns, ns and not root, landlock)
-        if _run(conf, "print(6 * 7)", 10.0) == (b"42\n", None):
-            return conf, _describe(conf)
-    raise RuntimeError("python sandbox: no confined interpreter starts here (as root: none as another uid)")
-
-
-def _config(uid, ns, userns, landlock):
-    prefix = os.path.realpath(sys.base_prefix)
-    hidden = None
-    for i in range(1, len(prefix.split("/"))):  # the first directory on the way others may not enter (/root)
-        step = "/".join(prefix.split("/")[: i + 1])
-        if hidden is None and uid is not None and not os.stat(step).st_mode & stat.S_IXOTH:
-            hidden = step
-    limits = dict(PY_LIMITS)
-    if uid is None and not userns:  # RLIMIT_NPROC counts all the user's processes, not this call's
-        del limits["RLIMIT_NPROC"]
-    return {
-        "uid": uid,
-        "exe": os.path.realpath(sys.executable),
-        "ns": ns,
-        "userns": userns,
-        "landlock": landlock,
-        "reveal": [[hidden, prefix]] if hidden else [],
-        "limits": limits,
-        "disk": PY_DISK,
-        "read": ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/etc/ld.so.cache", prefix],
-    }
-
-
-def _describe(conf):
-    limits = conf["limits"]
-    nproc = limits.get("RLIMIT_NPROC", "unbounded")
-    parts = [
-        f"python sandbox: a fresh interpreter, rlimits (cpu, {limits['RLIMIT_AS'] >> 20} MiB memory, "
-        f"{limits['RLIMIT_FSIZE'] >> 20} MiB files, processes {nproc}), own process group, scrubbed env"
-    ]
-    if conf["uid"] is not None:
-        parts.append("a fresh uid per call")
-    if conf["ns"]:
-        parts.append(f"namespaces: no network, own pids (all it starts dies with it), a {conf['disk']} tmpfs dir")
-    if conf["landlock"]:
-        parts.append("Landlock: writes only in its dir, reads of system files only, no TCP")
-    if not conf["ns"]:
-        parts.append("network NOT cut")
-    if not conf["ns"] and conf["uid"] is None:  # only its process group is killed
-        parts.append("a process that leaves its process group may outlive the call")
-    if not conf["landlock"]:
-        parts.append("writes NOT confined beyond file permissions")
-    if not (conf["ns"] and conf["landlock"]):
-        parts.append("not a security boundary")
-    return "; ".join(parts)
-
-
-def _run(conf, code, timeout):
-    """One call: its uid, a temp dir, the wrapper; everything it started killed and the dir removed after,
-    whatever happened -> (output bytes, status)."""
-    uid = conf["uid"]
-    if uid is not None:
-        uid += os.getpid() % 20_000 * 100_000 + next(_calls) % 100_000  # < 2**32 - 1
-    cpu = math.ceil(timeout) + 1  # CPU seconds: a busy loop ends here even if the wall clock check were missed
-    conf = {**conf, "uid": uid, "ppid": os.getpid(), "limits": {**conf["limits"], "RLIMIT_CPU": cpu}}
-    workdir = tempfile.mkdtemp(prefix="grpo-python-")
-    try:
-        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8", errors="surrogatepass") as f:
-            f.write(code)
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-            os.chown(os.path.join(workdir, "main.py"), uid, uid)
-        argv = [conf["exe"], "-I", "-S", "-B", "-c", SANDBOX_MAIN, json.dumps(conf)]
-        proc = subprocess.Popen(
-            argv,
-            cwd=workdir,
-            env=PY_ENV,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            return _read(proc, timeout)
-        finally:
-            _kill(proc, conf)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _read(proc, timeout):
-    """Its output until it exits, up to PY_READ bytes and the timeout -> (bytes, status); it is not reaped here, so
-    its pid (its group's id) stays its own until everything is killed."""
-    deadline = time.monotonic() + timeout
-    out = bytearray()
-    eof = False
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return bytes(out), f"timed out after {timeout:g} s"
-        if len(out) > PY_READ:
-            return bytes(out), f"stopped after {PY_READ} bytes of output"
-        if not eof and select.select([proc.stdout], [], [], min(left, 0.05))[0]:
-            chunk = os.read(proc.stdout.fileno(), 1 << 16)
-            out += chunk
-            eof = not chunk
-            continue
-        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-        if info is not None:
-            return bytes(out), _status(info)
-        if eof:
-            time.sleep(min(left, 0.01))
-
-
-def _status(info):
-    if info.si_code == os.CLD_EXITED and info.si_status == 0:
-        return None
-    if info.si_code == os.CLD_EXITED:
-        return f"exit {info.si_status}"
-    name = signal.Signals(info.si_status).name
-    if info.si_status == signal.SIGXCPU:
-        name += " (CPU limit)"
-    return f"killed by {name}"
-
-
-def _kill(proc, conf):
-    """Everything the call started, ended before the reply. With namespaces: its init killed, then the wrapper (which
-    waits for it) reaped: the kernel ends an init only once every other process of its namespace has ended. Then its
-    process group; without namespaces, every process of its uid, until none is left."""
-    kids = []
-    if conf["ns"]:
-        try:
-            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
-                kids = [int(pid) for pid in f.read().split()]
-        except OSError:  # the wrapper is gone
-            pass
-    for pid in kids:
-        _signal(os.kill, pid)
-    if kids:
-        try:
-            proc.wait(10.0)
-        except subprocess.TimeoutExpired:
-            pass
-    if proc.returncode is None:  # not reaped: its pid is still its group's
-        _signal(os.killpg, proc.pid)
-    uid = conf["uid"]
-    for _ in range(100):  # as root, without namespaces: every process of its uid, none of anyone else's
-        pids = []
-        if uid is not None and not conf["ns"]:
-            pids = _uid_pids(uid)
-        if not pids:
-            break
-        for pid in pids:
-            _signal(os.kill, pid)
-        time.sleep(0.01)
-    proc.wait()
-    proc.stdout.close()
-
-
-def _signal(kill, pid):
-    try:
-        kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def _uid_pids(uid):
-    """Pids of the live processes (zombies aside) whose real, effective or saved uid is uid."""
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:  # ended meanwhile
-            continue
-        if str(uid) in fields.get("Uid", "").split()[:3] and not fields.get("State", "").strip().startswith("Z"):
-            pids.append(int(pid))
-    return pids
+    text, status = sandbox.run_python(code)
+    if status is None:
+        return text or "(no output: print the result)"
+    before, _, last = text.rstrip().rpartition("\n")
+    if status.startswith("exit") and last:  # a traceback's last line names the error: first, as a reply keeps its head
+        raise RuntimeError(f"{last} ({status})\n{before}".rstrip())
+    raise RuntimeError(f"{status}\n{text}".rstrip())

@@ -19,6 +19,7 @@ as a running mean over --smooth steps, --eval-key (eval/strict_acc if logged) as
 import argparse
 import ast
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -29,9 +30,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import run
+import tasks
 from models import DTYPES, check_dtype, load_model, load_tokenizer, resolve_device, resolve_dtype
-
-from tasks import TASKS, evaluate, pass_at_k  # noqa: F401 (pass_at_k: eval.pass_at_k)
+from rollout import Sampler
+from tasks import evaluate, pass_at_k  # noqa: F401 (pass_at_k: eval.pass_at_k)
 
 
 def fresh(path):
@@ -103,8 +105,8 @@ def dict_literal(text):  # --task-options' text -> a dict, or ValueError in one 
 
 
 def resolve_task(args):
-    """--task's Task; without it a --ckpt run's task, data dir and task options (flags given still win), said in one
-    first line; else gsm8k. Other tasks than tasks.py's are imported only when named."""
+    """--task's Task with --task-options; without --task a --ckpt run's task, data dir and task options (flags given
+    still win), said in one first line; else gsm8k."""
     cfg = run.load_checkpoint(args.ckpt)[1]["config"] if args.ckpt else {}
     options = None
     if args.task_options is not None:
@@ -117,20 +119,14 @@ def resolve_task(args):
         said = [f"task {args.task}", args.data_dir and f"data dir {args.data_dir}", options and "its options"]
         print(f"{', '.join(filter(None, said))} (from the run; --task to change)")
     args.task = args.task or "gsm8k"
-    if options and not args.task.startswith("rg:"):
-        raise ValueError(f"--task-options configures an rg: task, not {args.task}; drop it")
-    if args.task in TASKS:
-        return TASKS[args.task]
-    import extra_tasks
-
-    return extra_tasks.get(args.task, options)
+    return tasks.get(args.task, options)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", help="tasks.py, extra_tasks.py, rg:NAME (default: a --ckpt run's task, else gsm8k)")
     p.add_argument("--data-dir", type=run.user_path, help="local GSM8K dir (else $GSM8K_DIR, else download)")
-    p.add_argument("--task-options", help="an rg: task's config, e.g. \"{'max_digits': 1}\"")
+    p.add_argument("--task-options", help="the task's options (train.py's task_options), e.g. \"{'digits': 2}\"")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", type=run.user_path, help="hub id, local HF dir, .gguf file or smollm2-135m")
     src.add_argument("--ckpt", type=run.user_path, help="train.py out dir or ckpt.pt")
@@ -199,6 +195,8 @@ def main():
         return export(p, args, given)
     if "temperature" in given and args.n == 1:
         print("note: --temperature has no effect with --n 1 (greedy); pass --n > 1 to sample")
+    if args.n > args.batch_size:
+        print(f"note: --n {args.n} > --batch-size {args.batch_size}: each question's {args.n} samples decode together")
     run.exit_on_interrupt("no predictions written")
     tmp = None
     try:
@@ -239,8 +237,9 @@ def main():
             if args.ckpt
             else (load_model(name, device, dtype, trainable=False), load_tokenizer(name), {})
         )
-        keys = {k: cfg[k] for k in ("max_reply_tokens", "max_attempts") if k in cfg}  # the run's, else defaults
-        env = task.tools(tok, cfg.get("max_tool_calls", 4), **keys) if task.tools else None
+        env = task.env(tok) if task.env else None  # with the run's task_options, or --task-options
+        fields = {f.name: cfg[f.name] for f in dataclasses.fields(Sampler) if f.name in cfg}  # the run's sampling
+        sampler = Sampler(**{**fields, "temperature": args.temperature})
     except ValueError as e:  # ModelError, DataError, a bad checkpoint or path: what was named cannot be used
         p.error(str(e))
     try:
@@ -251,11 +250,11 @@ def main():
             tok,
             task,
             examples,
-            args.max_new_tokens,
-            args.batch_size,
-            args.n,
-            args.temperature,
-            args.seed,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            n=args.n,
+            sampler=sampler,
+            seed=args.seed,
             dtype=dtype,
             env=env,
         )

@@ -16,6 +16,8 @@ import random
 import re
 from bisect import bisect_left
 from functools import partial
+from itertools import islice
+from operator import itemgetter
 
 import torch
 
@@ -24,7 +26,6 @@ from tasks import (
     ARITH_OPS,
     ARITH_SYSTEM_PROMPT,
     OPS,
-    REWARDS,
     TASKS,
     WEIGHTS,
     Task,
@@ -34,6 +35,7 @@ from tasks import (
     load_gsm8k,
     sample_split,
     score,
+    with_options,
 )
 
 
@@ -84,18 +86,19 @@ def arith_step_rewards(completion, example):
     return [(m.end(), _line_reward(m.group(), example["answer"])) for m in lines] or [(len(completion), 0.0)]
 
 
-def step_positions(step_rewards, tokenizer, completion_ids, lengths, completions, examples, group_size):
-    """Steps as tensors for grpo.process_advantages: row i's steps are step_rewards(completions[i], examples[i //
-    group_size]), each ending on the token that holds its last character among the lengths[i] tokens of completion_ids
-    (N, C) before the stop token -> ends (N, S) long, values (N, S), mask (N, S) bool (False: padding; S: the most steps
-    of a row). That token is the first whose decoded prefix holds the text up to char_end: exact whatever a tokenizer
-    does to bytes and spaces (a character split over byte tokens decodes as U+FFFD until its last byte)."""
-    steps = [step_rewards(text, examples[i // group_size]) for i, text in enumerate(completions)]
+def step_positions(step_rewards, tokenizer, r):
+    """Steps as tensors for grpo.process_advantages: row i of the Rollout r has the steps step_rewards(its completion,
+    its example), each ending on the token that holds its last character among its own tokens before its stop token
+    -> ends (N, S) long, values (N, S), mask (N, S) bool (False: padding; S: the most steps of a row). That token is the
+    first whose decoded prefix holds the text up to char_end: exact whatever a tokenizer does to bytes and spaces (a
+    character split over byte tokens decodes as U+FFFD until its last byte)."""
+    lengths = r.completion_mask.sum(1) - (~r.truncated).long()  # (N,) the tokens before the stop token
+    steps = [step_rewards(text, example) for text, example in zip(r.completions, r.examples)]
     N, S = len(steps), max(len(s) for s in steps)
     ends, values, mask = torch.zeros(N, S, dtype=torch.long), torch.zeros(N, S), torch.zeros(N, S, dtype=torch.bool)
     decode = partial(tokenizer.decode, skip_special_tokens=True)
     for i, row in enumerate(steps):
-        ids = completion_ids[i, : int(lengths[i])].tolist()
+        ids = r.completion_ids[i, : int(lengths[i])].tolist()
         text = decode(ids)
         for j, (end, value) in enumerate(row):  # the last token of the shortest prefix holding text[:end]
             ends[i, j] = bisect_left(range(1, len(ids)), True, key=lambda k: decode(ids[:k])[:end] == text[:end])
@@ -120,14 +123,10 @@ def tool_prompt(example):  # one worked call as earlier turns (HF's tool-call fo
     ]
 
 
-def tool_reward(completions, tool_calls, tool_errors, **_):  # 1.0 where a tool call ran (an error's reply aside)
-    return [float(c > e) for c, e in zip(tool_calls, tool_errors)]
-
-
-def calculator(tokenizer, max_calls=4, max_reply_tokens=64, **_):  # the task's tools in their environment (envs.py)
+def calculator(tokenizer, *, max_tool_calls=4, max_reply_tokens=64):  # the task's environment (envs.py): a calculator
     import envs
 
-    return envs.ToolEnv([envs.calculator], tokenizer, max_calls, max_reply_tokens=max_reply_tokens)
+    return envs.ToolEnv([envs.calculator], tokenizer, max_calls=max_tool_calls, max_reply_tokens=max_reply_tokens)
 
 
 def load_mixed(split, data_dir=None, n=None, seed=0):
@@ -141,44 +140,43 @@ def load_mixed(split, data_dir=None, n=None, seed=0):
     return [x for pair in pairs for x in pair]
 
 
-def feedback(tokenizer, max_calls=4, max_reply_tokens=64, max_attempts=2, **_):  # arith_retry's environment
+WRONG = "Wrong; try again. End with a final line: #### <number>"
+
+
+def retry_check(text, example):  # arith_retry's judge: None for a right answer (as score reads it), else WRONG
+    if answers_match(extract_answer(text), example["answer"]):
+        return None
+    return WRONG
+
+
+def feedback(tokenizer, *, max_attempts=2, max_reply_tokens=64):  # arith_retry's environment: answers it judges
     import envs
 
-    make = partial(envs.FeedbackEnv, extract_answer, answers_match, max_attempts)
-    return envs.EnvDriver(make, tokenizer, max_reply_tokens)
+    return envs.EnvDriver(partial(envs.FeedbackEnv, retry_check, max_attempts), tokenizer, max_reply_tokens)
 
 
-def final_attempt_reward(completions, final_correct, **_):  # 1.0 where the row's last answer was right
+def final_attempt_reward(completions, final_correct, **_):  # 1.0 where the environment judged the last answer right
     return [float(c) for c in final_correct]
 
 
-def final_attempt_score(completion, example):  # score() of the text from the last `####` on: the last attempt
-    head, mark, last = completion.rpartition("####")
-    return score(mark + last if mark else completion, example)
+def final_attempt_score(completion, example, state):  # the environment's judgement, as the reward's; the rest: the
+    head, mark, last = completion.rpartition("####")  # last attempt's text, from the last `####` on
+    return {**score(mark + last if mark else completion, example), "strict": bool(state["final_correct"])}
 
 
 load_mul = partial(load_arith, digits=3, ops="*")
 EXTRA = {  # a call that ran is worth a little (0.2): without it the calls die out (BENCHMARKS.md)
-    "arith_steps": Task(load_arith_steps, prompt, dict(REWARDS), dict(WEIGHTS), score, arith_step_rewards),
-    "arith_tool": Task(
-        load_mul,
-        tool_prompt,
-        {**REWARDS, "tool": tool_reward},
-        {**WEIGHTS, "tool": 0.2},
-        score,
-        tools=calculator,
-    ),
-    "arith_mul": Task(load_mul, partial(chat_prompt, MUL_PROMPT), dict(REWARDS), dict(WEIGHTS), score),
-    "arith_tool_mixed": Task(
-        load_mixed, tool_prompt, {**REWARDS, "tool": tool_reward}, {**WEIGHTS, "tool": 0.2}, score, tools=calculator
-    ),
+    "arith_steps": Task(load_arith_steps, prompt, {}, dict(WEIGHTS), score, step_rewards=arith_step_rewards),
+    "arith_tool": Task(load_mul, tool_prompt, {}, {**WEIGHTS, "tool": 0.2}, score, env=calculator),
+    "arith_mul": Task(load_mul, partial(chat_prompt, MUL_PROMPT), {}, dict(WEIGHTS), score),
+    "arith_tool_mixed": Task(load_mixed, tool_prompt, {}, {**WEIGHTS, "tool": 0.2}, score, env=calculator),
     "arith_retry": Task(
         load_arith,
         partial(chat_prompt, ARITH_SYSTEM_PROMPT),
-        {**REWARDS, "correct": final_attempt_reward},
+        {"correct": final_attempt_reward},
         dict(WEIGHTS),
         final_attempt_score,
-        tools=feedback,
+        env=feedback,
     ),
 }
 
@@ -206,21 +204,22 @@ def python_prompt(example):  # one worked call as earlier turns, as tool_prompt'
     ]
 
 
-def python_tool(tokenizer, max_calls=4, max_reply_tokens=64, **_):  # the sandboxed interpreter; says how it is confined
+def python_tool(tokenizer, *, max_tool_calls=4, max_reply_tokens=64):  # the sandboxed interpreter, as confined
     import envs
+    import sandbox
 
-    print(envs.sandbox_protections(), flush=True)
-    return envs.ToolEnv([envs.python], tokenizer, max_calls, envs.PY_TIMEOUT + 5, max_reply_tokens=max_reply_tokens)
+    try:
+        print(sandbox.sandbox_protections(), flush=True)
+    except RuntimeError as e:  # no confined interpreter starts here: one line, no traceback
+        raise SystemExit(f"error: {e}") from None
+    # no timeout of the row's own: a call returns at its own timeout, once all it started has ended, so the pool's
+    # workers bound the sandboxes running at once
+    return envs.ToolEnv(
+        [envs.python], tokenizer, max_calls=max_tool_calls, timeout=None, max_reply_tokens=max_reply_tokens
+    )
 
 
-EXTRA["gsm8k_python"] = Task(
-    load_gsm8k,
-    python_prompt,
-    {**REWARDS, "tool": tool_reward},
-    {**WEIGHTS, "tool": 0.2},
-    score,
-    tools=python_tool,
-)
+EXTRA["gsm8k_python"] = Task(load_gsm8k, python_prompt, {}, {**WEIGHTS, "tool": 0.2}, score, env=python_tool)
 
 
 # rg:NAME: reasoning-gym, imported only here (~1 s, matplotlib with it) and only when such a task is named
@@ -232,7 +231,7 @@ RG_PROMPT = (
     "Example:\nWhat is 3 + 4?\n3 + 4 = 7\n<answer>7</answer>"
 )
 RG_TEST_PERCENT = 50  # test-only share of the questions: a small space (1-digit sums) still holds ~100 of each
-RG_DRAWS = 30_000  # items generated per split at most: 3x the 10,000 train questions (repeats are skipped)
+RG_DRAWS = 30_000  # items generated per source and split at most: 3x the 10,000 train questions (repeats skipped)
 TAG_RE = re.compile(r"<answer>\s?(.*?)\s?</answer>", re.DOTALL)  # reasoning_gym.utils.extract_answer's pattern
 
 
@@ -269,7 +268,7 @@ def rg_format(completions, **_):  # 1.0 where the last tags hold an answer
     return [float(bool((TAG_RE.findall(c) or [""])[-1].strip())) for c in completions]
 
 
-def rg_score_example(dataset, completion, example):  # eval.py's: strict counts only a full score
+def rg_score_example(dataset, completion, example, state=None):  # eval.py's: strict counts only a full score
     score = rg_score(dataset, completion, example["entry"])
     return {
         "pred": rg_extract(completion),
@@ -280,23 +279,74 @@ def rg_score_example(dataset, completion, example):  # eval.py's: strict counts 
     }
 
 
-def load_rg(dataset, test_n, split, data_dir=None, n=None):
-    """n distinct questions of `split` (test: test_n by default) {"question", "answer", "entry" (reasoning-gym's item),
-    "source" (a mix's)}, in the dataset's order; fewer when its RG_DRAWS items hold fewer."""
+def rg_draw(source, split):  # a source's distinct questions of `split`, in its order, from its RG_DRAWS items
+    seen = set()
+    for i in range(len(source)):
+        entry = source[i]
+        q = entry["question"]
+        if q not in seen and rg_is_test(q) == (split == "test"):
+            seen.add(q)
+            yield {"question": q, "answer": str(entry["answer"]), "entry": entry}
+
+
+def rg_shares(n, weights, held=None):
+    """n split by weight w: source i's share is round(n * W_i / W) - round(n * W_(i-1) / W), W_i the weights up to
+    and with i's, so the shares sum to n; a source in `held` keeps that many and the rest is split among the others."""
+    shares = dict(held or {})
+    rest = [k for k in weights if k not in shares]
+    left, total, below = n - sum(shares.values()), sum(weights[k] for k in rest), 0
+    for k in rest:
+        shares[k] = round(left * (below + weights[k]) / total) - round(left * below / total)
+        below += weights[k]
+    return shares
+
+
+def load_rg(name, sources, weights, test_n, split, data_dir=None, n=None):
+    """n questions of `split` (test: test_n by default) {"question", "answer", "entry" (reasoning-gym's item),
+    "source" (a mix's)}: each source's share of n by weight (rg_shares), drawn from its own RG_DRAWS items, the
+    sources spread evenly so that any prefix holds the mix. A source with fewer distinct questions than its share is
+    repeated to it in a mix's train split (the weights hold, as load_mixed); in a test split (and one dataset's train
+    split) it gives what it has, the others' shares take the rest, never a question twice. One line at load says
+    where a mix's train split repeats or a test split holds fewer than n or other proportions than the weights'."""
     if n is None and split == "test":
         n = test_n
     n = check_generated(split, n=n, data_dir=data_dir)
-    examples = {}
-    for i in range(len(dataset)):
-        entry = dataset[i]
-        q = entry["question"]
-        if q not in examples and rg_is_test(q) == (split == "test"):
-            examples[q] = {"question": q, "answer": str(entry["answer"]), "entry": entry}
-            if type(dataset).__name__ == "CompositeDataset":  # eval.py reports each source's accuracy
-                examples[q]["source"] = entry["metadata"]["source_dataset"]
-        if len(examples) == n:
+    repeat = split == "train" and len(sources) > 1
+    draws = {k: rg_draw(source, split) for k, source in sources.items()}
+    pools, ran_out = {k: [] for k in sources}, {}  # ran_out: the sources short of their share, their questions
+    while True:  # a test split's source short of its share keeps what it has, the others' shares grow to fill it
+        shares = rg_shares(n, weights, ran_out)
+        for k, share in shares.items():
+            pools[k] += islice(draws[k], max(share - len(pools[k]), 0))
+        short = {k: len(pools[k]) for k in sources if len(pools[k]) < shares[k]}
+        if repeat or not short:
             break
-    return list(examples.values())
+        ran_out.update(short)
+    asked = rg_shares(n, weights)
+    if repeat:  # each source to its share: a short one's questions again, in the same order
+        ran_out = {k: len(pool) for k, pool in pools.items() if len(pool) < asked[k]}
+        for k, c in ran_out.items():
+            if not c:
+                raise ValueError(f"{name}: {k}'s {len(sources[k]):,} draws hold no {split} question; widen its config")
+            pools[k] = (pools[k] * (asked[k] // c + 1))[: asked[k]]
+    counts = {k: len(pool) for k, pool in pools.items()}
+    if ran_out and (repeat or split == "test" and counts != asked):  # one dataset's train split holds what it has
+        mix = ""
+        if len(sources) > 1:
+            by_weight = ", ".join(f"{a:,}" for a in asked.values())
+            mix = f" ({', '.join(f'{k} {c:,}' for k, c in counts.items())}; by weight {by_weight})"
+        why = "; ".join(
+            f"{k}'s {len(sources[k]):,} draws hold {c:,} distinct {split} questions" for k, c in ran_out.items()
+        )
+        fix = ", each repeated to its share (a small space: widen its config, e.g. larger max_* fields)"
+        if not repeat:
+            fix = " (a small space: widen the config, e.g. larger max_* fields, or lower size)"
+        print(f"{name} {split}: {sum(counts.values()):,} questions of the {n:,} asked{mix}: {why}{fix}")
+    examples = []
+    for k, pool in pools.items():
+        for j, ex in enumerate(pool):  # spread evenly: eval_n's or --limit's prefix holds the weights' mix
+            examples.append(((j + 0.5) / len(pool), {**ex, "source": k} if len(sources) > 1 else ex))
+    return [ex for _, ex in sorted(examples, key=itemgetter(0))]
 
 
 def rg_dataset(names, options):
@@ -339,9 +389,13 @@ def rg_task(name, options):
     for key in ("seed", "size"):
         if key in options and (type(options[key]) is not int or options[key] < (key == "size")):
             raise ValueError(f"task_options {key!r} must be an integer >= {int(key == 'size')}, got {options[key]!r}")
-    dataset = rg_dataset(name.removeprefix("rg:").split("+"), options)
+    names = name.removeprefix("rg:").split("+")
+    dataset = rg_dataset(names, options)
+    sources, weights = {names[0]: dataset}, {names[0]: 1}
+    if len(names) > 1:  # a CompositeDataset: one dataset per source (seed + i + 1), drawn apart to hold the weights
+        sources, weights = dataset.datasets, dict(zip(dataset.dataset_names, dataset.weights))
     return Task(
-        partial(load_rg, dataset, options.get("size", 200)),  # "size": the test split's
+        partial(load_rg, name, sources, weights, options.get("size", 200)),  # "size": the test split's
         partial(chat_prompt, RG_PROMPT),
         {"correct": partial(rg_correct, dataset), "format": rg_format},
         dict(WEIGHTS),
@@ -350,12 +404,12 @@ def rg_task(name, options):
 
 
 def get(name, options=None):
-    """The task called `name` (options: an rg: task's config); ValueError in one line naming every task when there is
-    none."""
+    """The task called `name` with its options (an rg: task's: its dataset's config; else tasks.with_options');
+    ValueError in one line naming every task when there is none."""
     if name.startswith("rg:"):
         return rg_task(name, options or {})
     if name not in EXTRA:
         raise ValueError(
             f"unknown task {name!r}; tasks: {', '.join(sorted({**TASKS, **EXTRA}))}, rg:NAME (reasoning-gym)"
         )
-    return EXTRA[name]
+    return with_options(EXTRA[name], name, options or {})

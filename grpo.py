@@ -1,16 +1,12 @@
 """The GRPO objective (DeepSeekMath, https://arxiv.org/abs/2402.03300 §4.1) as pure tensor functions (no model calls,
-no I/O; loss = -objective) plus Objective, the loss's options; each variant cites its source, README lists departures.
+no I/O; loss = -objective) plus Objective, the loss's options. Every choice a flag offers is a plain dict of name ->
+small function here (ADVANTAGES, KL_ESTIMATORS, SURROGATES, AGGREGATIONS, IMPORTANCE_LEVELS, BEHAVIOUR_MODES): a fork
+adds an entry, and the flag offers it. Each variant cites its source; README lists the departures from the paper.
 N rows, contiguous groups of G (prompt i owns rows i*G ... i*G+G-1), T completion tokens; mask (N, T) True if valid."""
 
 from dataclasses import dataclass
 
 import torch
-
-SCALES = ("group", "batch", "none")
-KL_ESTIMATORS = ("k1", "k2", "k3", "k3_clamped", "full")
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo")
-IMPORTANCE_LEVELS = ("token", "sequence")
-BEHAVIOUR_MODES = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 
 
 def _check(ok, message):
@@ -19,7 +15,7 @@ def _check(ok, message):
 
 
 def _check_choice(name, value, choices):
-    _check(value in choices, f"{name} must be one of {choices}, got {value!r}")
+    _check(value in choices, f"{name} {value!r}: choose from {', '.join(choices)}")
 
 
 def _check_shape(shape, **tensors):  # None passes: an optional input
@@ -29,10 +25,8 @@ def _check_shape(shape, **tensors):  # None passes: an optional input
 
 
 def _check_groups(n, group_size):  # a group of one has no baseline
-    _check(
-        isinstance(group_size, int) and group_size >= 2 and n % group_size == 0,
-        f"group_size must be an int >= 2 that divides the number of rows ({n}), got {group_size!r}",
-    )
+    ok = isinstance(group_size, int) and group_size >= 2 and n % group_size == 0
+    _check(ok, f"group_size must be an int >= 2 that divides the number of rows ({n}), got {group_size!r}")
 
 
 def _up(x):  # exp/ratio math in at least fp32: bf16 has ~3 significant digits
@@ -64,18 +58,23 @@ def pick_groups(rewards, group_size, count):
     return torch.cat([informative.nonzero(), (~informative).nonzero().flip(0)])[:count, 0].sort().values
 
 
+# --scale-rewards: fn(the group's rewards (N/G, G), eps) -> advantages (N/G, G); group_advantages zeroes a flat group
+ADVANTAGES = {
+    "group": lambda r, eps: (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps),  # unbiased (§4.1.2, TRL)
+    "batch": lambda r, eps: (r - r.mean(1, keepdim=True)) / (r.std() + eps),  # all N's std (Lite PPO, 2508.08221)
+    "none": lambda r, eps: r - r.mean(1, keepdim=True),  # no division (Dr. GRPO, arXiv 2503.20783 §3.1)
+}
+
+
 def group_advantages(rewards, group_size, scale="group", eps=1e-4):
-    """Outcome supervision (DeepSeekMath §4.1.2): A_i = (r_i - mean(group)) / (std + eps), unbiased std (the paper's
-    code, TRL); scale "batch": std of all N rewards (https://arxiv.org/abs/2508.08221), "none": no division (Dr. GRPO,
-    https://arxiv.org/abs/2503.20783 §3.1). A flat group gets exactly 0. rewards (N,) -> (A (N,), flat fraction 0-dim)
+    """Outcome supervision (DeepSeekMath §4.1.2): each reward against its group's by ADVANTAGES[scale]; a flat group
+    gets exactly 0 whatever the entry computes. rewards (N,) -> (A (N,), the fraction of flat groups 0-dim)
     >>> adv, frac = group_advantages(torch.tensor([-2., -2, -5, 0, -5, -1, -1, -3]), 4)
     >>> [round(a, 2) for a in adv.tolist()], frac.item()
     ([0.12, 0.12, -1.33, 1.09, -1.31, 0.78, 0.78, -0.26], 0.0)"""
     flat = ~informative_groups(rewards, group_size)[:, None]  # (N/G, 1)
-    _check_choice("scale", scale, SCALES)
-    r = _up(rewards).view(-1, group_size)  # (N/G, G)
-    std = {"group": r.std(1, keepdim=True) + eps, "batch": r.std() + eps, "none": 1.0}[scale]  # (N/G, 1) or 0-dim
-    adv = (r - r.mean(1, keepdim=True)) / std  # (N/G, G)
+    _check_choice("--scale-rewards", scale, ADVANTAGES)
+    adv = ADVANTAGES[scale](_up(rewards).view(-1, group_size), eps)  # (N/G, G)
     return torch.where(flat, 0.0, adv).view(-1), flat.float().mean()  # (N,), 0-dim
 
 
@@ -100,76 +99,98 @@ def process_advantages(step_rewards, step_ends, step_mask, group_size, seq_len, 
     return per_token.flip(1).cumsum(1).flip(1)  # (N, T): each step's r~ on its last token, summed from t on
 
 
-# --- per-token pieces
+# --- the importance ratio and the surrogates
+IMPORTANCE_LEVELS = {  # --importance-level: fn(log rho (N, T), 0 at padding, mask) -> the log-ratio each token takes
+    "token": lambda x, mask: x,  # rho_t = exp(logp_t - old_logp_t) (DeepSeekMath eq. 3)
+    "sequence": lambda x, mask: (x.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(x),  # GSPO
+}
+
+
 def importance_ratio(logp, old_logp, mask, level="token"):
-    """ "token" (the paper): rho_t = exp(logp_t - old_logp_t); "sequence" (GSPO, arXiv 2507.18071 eq. 7):
-    exp(sum_t m_t (logp_t - old_logp_t) / sum_t m_t) on the whole row. (N, T) each -> (N, T), 1 at padding (token)"""
-    _check_choice("importance_level", level, IMPORTANCE_LEVELS)
+    """rho = exp(IMPORTANCE_LEVELS[level] of the log-ratio). (N, T) each -> (N, T), 1 at padding (token level)"""
+    _check_choice("--importance-level", level, IMPORTANCE_LEVELS)
     mask = mask.bool()
     log_ratio = torch.where(mask, _up(logp) - _up(old_logp), 0.0)  # (N, T); padding's -inf/garbage: NaN in backward
-    if level == "sequence":
-        log_ratio = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(mask)  # (N, T)
-    return log_ratio.exp()
+    return IMPORTANCE_LEVELS[level](log_ratio, mask).exp()  # GSPO: arXiv 2507.18071 eq. 7
 
 
-def clipped_surrogate(ratio, advantages, eps_low=0.2, eps_high=None, delta=None):
-    """DeepSeekMath eq. 3, to maximise: min(min(rho, delta) A, clip(rho, 1 - eps_low, 1 + eps_high) A); eps_high >
-    eps_low: DAPO's clip-higher (https://arxiv.org/abs/2503.14476 §3.1; None: eps_low); delta: INTELLECT-2's cap on
-    a huge ratio with A < 0 (https://arxiv.org/abs/2505.07291 §3.2). ratio (N, T), advantages (N, 1|T) -> (N, T)"""
-    eps_high = eps_low if eps_high is None else eps_high
+def clipped_surrogate(ratio, advantages, *, eps=0.2, eps_high=None, delta=None, **_):
+    """DeepSeekMath eq. 3, to maximise: min(min(rho, delta) A, clip(rho, 1 - eps, 1 + eps_high) A); eps_high > eps:
+    DAPO's clip-higher (https://arxiv.org/abs/2503.14476 §3.1; None: eps); delta: INTELLECT-2's cap on a huge ratio
+    with A < 0 (https://arxiv.org/abs/2505.07291 §3.2). ratio (N, T), advantages (N, 1|T) -> (N, T)"""
+    eps_high = eps if eps_high is None else eps_high
     _check(delta is None or delta > 1 + eps_high, f"delta must be > 1 + eps_high = {1 + eps_high}, got {delta}")
-    clipped = ratio.clamp(1 - eps_low, 1 + eps_high) * advantages  # (N, T)
-    ratio = ratio if delta is None else ratio.clamp(max=delta)
+    clipped = ratio.clamp(1 - eps, 1 + eps_high) * advantages  # (N, T)
+    if delta is not None:
+        ratio = ratio.clamp(max=delta)
     return torch.minimum(ratio * advantages, clipped)
 
 
-def cispo_surrogate(ratio, advantages, logp, cap=5.0):
+def cispo_surrogate(ratio, advantages, *, logp, cispo_cap=5.0, **_):
     """CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585 §3.1 eq. 4-5), to maximise sg(min(rho, cap)) A log pi: the
     weight is detached, a clipped token keeps its gradient; no lower bound. ratio, logp (N, T), A (N, 1|T) -> (N, T)"""
-    return ratio.clamp(max=cap).detach() * advantages * logp
+    return ratio.clamp(max=cispo_cap).detach() * advantages * logp
 
 
-def sapo_surrogate(ratio, advantages, tau_pos=1.0, tau_neg=1.05):
+def sapo_surrogate(ratio, advantages, *, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, **_):
     """SAPO (https://arxiv.org/abs/2511.20347 §3), to maximise f(rho) A, f(x) = sigmoid(tau (x - 1)) 4 / tau with
     tau = tau_pos if A > 0 else tau_neg: a soft gate for the clip, f'(1) = 1. ratio (N, T), A (N, 1|T) -> (N, T)"""
-    tau = torch.where(advantages > 0, ratio.new_tensor(tau_pos), tau_neg)  # (N, 1|T), in ratio's dtype: 1.05 in fp64
+    tau = torch.where(advantages > 0, ratio.new_tensor(sapo_temperature_pos), sapo_temperature_neg)  # in ratio's dtype
     return torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
 
 
+# fn(ratio, A, *, logp, **Objective's fields) -> (N, T), to maximise; each takes the options it names
+SURROGATES = {"clip": clipped_surrogate, "cispo": cispo_surrogate, "sapo": sapo_surrogate}
+
+
+# --- the KL to the reference, the sampler correction, entropy
+def k3(x):  # e^x - x - 1 >= 0: expm1, as exp(x) - 1 can round below x
+    return torch.expm1(x) - x
+
+
+# --kl-estimator: fn(x = ref_logp - logp, tokens sampled from pi) -> per-token KL(pi || pi_ref) (N, T)
+# (joschu.net/blog/kl-approx.html); the flag's other choice, "full", is exact from the logits (full_kl, by the head)
+KL_ESTIMATORS = {
+    "k1": lambda x: -x,  # unbiased, can be negative
+    "k2": lambda x: 0.5 * x.pow(2),  # biased, low variance
+    "k3": k3,  # unbiased, >= 0 (DeepSeekMath eq. 4)
+    "k3_clamped": lambda x: k3(x.clamp(-20, 20)).clamp(max=10),  # verl's low_var_kl: k3 for -11 < x < 2.61, no overflow
+}
+
+
 def kl_estimate(logp, ref_logp, estimator="k3_clamped"):
-    """Per-token KL(pi || pi_ref) from tokens sampled from pi, x = ref_logp - logp (joschu.net/blog/kl-approx.html):
-    k1 = -x, k2 = x^2 / 2, k3 = e^x - x - 1 (DeepSeekMath eq. 4), k3_clamped = min(k3(clamp(x, -20, 20)), 10) (verl's
-    "low_var_kl", = k3 for -11 < x < 2.61): no blow-up where pi_ref >> pi. "full": full_kl. (N, T) each -> (N, T)"""
-    _check_choice("kl_estimator", estimator, KL_ESTIMATORS)
+    """Per-token KL(pi || pi_ref) by KL_ESTIMATORS[estimator] of x = ref_logp - logp. (N, T) each -> (N, T)"""
     _check(estimator != "full", "kl_estimator='full' needs logits: pass kl=full_kl(logits, ref_logits) to grpo_loss")
-    x = _up(ref_logp) - _up(logp)  # (N, T)
-    if estimator in ("k1", "k2"):
-        return -x if estimator == "k1" else 0.5 * x.pow(2)
-    x = x.clamp(-20, 20) if estimator == "k3_clamped" else x  # bounded before exp: no overflow in value or grad
-    k3 = torch.expm1(x) - x  # expm1 keeps k3 >= 0 in floating point, exp(x) - 1 can round below x
-    return k3.clamp(max=10) if estimator == "k3_clamped" else k3  # verl clamps to [-10, 10]; k3 >= 0
+    _check_choice("--kl-estimator", estimator, KL_ESTIMATORS)
+    return KL_ESTIMATORS[estimator](_up(ref_logp) - _up(logp))
+
+
+BEHAVIOUR_MODES = {  # --is-mode: fn(w = pi_train / pi_sample (N, T), per token or, sequence_*, the row's; cap) -> w'
+    "none": lambda w, cap: torch.ones_like(w),
+    "token_truncate": lambda w, cap: w.clamp(max=cap),  # TIS
+    "token_mask": lambda w, cap: torch.where(w > cap, 0.0, w),
+    "sequence_truncate": lambda w, cap: w.clamp(max=cap),  # the row's product of ratios (TRL's, not GSPO's mean)
+    "sequence_mask": lambda w, cap: torch.where(w > cap, 0.0, w),
+}
 
 
 def behaviour_weights(train_logp, sample_logp, mask, mode="token_truncate", cap=2.0):
     """Sampler/trainer mismatch (TIS, https://fengyao.notion.site/off-policy-rl; TRL vllm_importance_sampling_mode): the
-    policy term times w = pi_train / pi_sample = exp(d_t), d_t = train_logp_t - sample_logp_t (token modes), or
-    exp(sum_t m_t d_t) on the row (sequence modes: TRL's product, not GSPO's mean); "truncate": min(w, cap) (2 as TIS),
-    "mask": 0 above cap, "none": 1. A NaN stays NaN (TRL PR #6693 zeroes it): our sampler scores every token.
+    policy term times BEHAVIOUR_MODES[mode] of exp(d_t), d_t = train_logp_t - sample_logp_t (sequence_* modes:
+    exp(sum_t m_t d_t) on the row). A NaN stays NaN (TRL PR #6693 zeroes it): our sampler scores every token.
     train_logp, sample_logp, mask (N, T) -> (w (N, T) detached, 1 at padding; metrics, detached 0-dim: is_capped
-    (fraction of valid tokens above cap), dlogp_mean, dlogp_p99, dlogp_max of |d_t|)"""
-    _check_choice("behaviour_mode", mode, BEHAVIOUR_MODES)
+    (fraction of valid tokens whose weight is not their ratio), dlogp_mean, dlogp_p99, dlogp_max of |d_t|)"""
+    _check_choice("--is-mode", mode, BEHAVIOUR_MODES)
     _check_shape(train_logp.shape, sample_logp=sample_logp, mask=mask)
     mask = mask.bool()
     with torch.no_grad():
         d = torch.where(mask, _up(train_logp) - _up(sample_logp), 0.0)  # (N, T); padding garbage out
         ratio = (d.sum(1, keepdim=True).expand_as(d) if mode.startswith("sequence") else d).exp()  # (N, T)
-        out = (ratio > cap) & mask & (mode != "none")  # (N, T)
-        w = ratio.clamp(max=cap) if mode.endswith("truncate") else torch.where(out, 0.0, ratio)
-        w = torch.where(mask & (mode != "none"), w, 1.0)  # (N, T)
+        w = torch.where(mask, BEHAVIOUR_MODES[mode](ratio, cap), 1.0)  # (N, T)
         a, n = d.abs(), mask.sum().clamp(min=1)  # (N, T), 0-dim; metrics with no host sync
         p99 = torch.nanquantile(torch.where(mask, a, torch.nan).flatten(), 0.99)  # nanquantile skips padding
         metrics = {
-            "is_capped": out.sum() / n,
+            "is_capped": ((w != ratio) & mask & (mode != "none")).sum() / n,
             "dlogp_mean": a.sum() / n,
             "dlogp_p99": torch.where(mask.any(), p99, 0.0),
             "dlogp_max": a.amax(),
@@ -179,10 +200,11 @@ def behaviour_weights(train_logp, sample_logp, mask, mode="token_truncate", cap=
 
 def full_kl(logits, ref_logits, mask=None):
     """Exact per-token KL(pi || pi_ref) = sum_v pi(v) (log pi(v) - log pi_ref(v)) in fp32; the caller bounds memory
-    (rollout.head_logprobs passes a chunk of rows). logits, ref_logits (N, T, V), mask (N, T) or None -> (N, T)"""
+    (rollout.head_logprobs passes a chunk of rows). A token both give probability 0 (a -inf logit) adds 0. logits,
+    ref_logits (N, T, V), mask (N, T) or None -> (N, T)"""
     _check_shape(logits.shape, ref_logits=ref_logits)
     logq, logq_ref = _up(logits).log_softmax(-1), _up(ref_logits).log_softmax(-1)  # (N, T, V)
-    kl = (logq.exp() * (logq - logq_ref)).sum(-1)  # (N, T)
+    kl = torch.where(logq > -torch.inf, logq.exp() * (logq - logq_ref), 0.0).sum(-1)  # (N, T)
     return kl if mask is None else torch.where(mask.bool(), kl, 0.0)
 
 
@@ -199,38 +221,45 @@ def top_entropy_mask(entropy, mask, quantile):
     return mask & (h >= threshold)
 
 
-# --- aggregation and the full loss
-def aggregate(per_token, mask, loss_type="grpo", num_sequences=None, num_tokens=None, max_len=None):
-    """Per-token loss l (N, T) -> 0-dim, |o_i| = sum_t m_it. A call may be a micro-batch of a batch of num_sequences
-    rows and num_tokens valid tokens (default: this call's); the calls sum to the batch's loss (bnpo: token means').
-      "grpo", "sapo"  (DeepSeekMath eq. 3; SAPO §3): sum_i (sum_t m l / |o_i|) / num_sequences
-      "bnpo"          (TRL): sum_it m l / sum_it m * N / num_sequences
-      "dr_grpo"       (https://arxiv.org/abs/2503.20783 §3.2): sum_it m l / (num_sequences * max_len)
-      "dapo", "cispo" (https://arxiv.org/abs/2503.14476 eq. 8; MiniMax-M1 eq. 4): sum_it m l / num_tokens"""
-    _check_choice("loss_type", loss_type, LOSS_TYPES)
+# --- aggregation and the full loss: l (N, T) with 0 at padding -> 0-dim; |o_i| = sum_t m_it
+# fn(l (N, T), 0 at padding, mask, num_sequences, num_tokens, max_new_tokens) -> 0-dim, by TRL's loss names;
+# num_sequences, num_tokens: the whole batch's, so micro-batches sum to the batch's loss (not bnpo: a token mean each)
+AGGREGATIONS = {
+    "grpo": lambda x, m, n_seq, n_tok, L: (x.sum(1) / m.sum(1).clamp(min=1)).sum() / n_seq,  # eq. 3: mean over o_i
+    "bnpo": lambda x, m, n_seq, n_tok, L: x.sum() / m.sum().clamp(min=1) * (m.size(0) / n_seq),  # TRL's
+    "dr_grpo": lambda x, m, n_seq, n_tok, L: x.sum() / (n_seq * L),  # Dr. GRPO, arXiv 2503.20783 §3.2
+    "dapo": lambda x, m, n_seq, n_tok, L: x.sum() / torch.as_tensor(n_tok).clamp(min=1),  # DAPO eq. 8; CISPO eq. 4
+}
+# --loss-type, TRL's names: (surrogate, aggregation); the config key aggregation pairs the surrogate with another
+LOSS_TYPES = {
+    "grpo": ("clip", "grpo"),
+    "bnpo": ("clip", "bnpo"),
+    "dr_grpo": ("clip", "dr_grpo"),
+    "dapo": ("clip", "dapo"),
+    "cispo": ("cispo", "dapo"),
+    "sapo": ("sapo", "grpo"),
+}
+
+
+def aggregate(per_token, mask, aggregation="grpo", *, num_sequences=None, num_tokens=None, max_new_tokens=None):
+    """Per-token loss l (N, T) -> 0-dim by AGGREGATIONS[aggregation]. A call may be a micro-batch of a batch of
+    num_sequences rows and num_tokens valid tokens (default: this call's); max_new_tokens: the budget (default T)."""
+    _check_choice("aggregation", aggregation, AGGREGATIONS)
     _check_shape(per_token.shape, mask=mask)
     N, T = per_token.shape
     mask = mask.bool()
-    if num_sequences is None:
-        num_sequences = N
-    if max_len is None:
-        max_len = T
-    _check(max_len >= T, f"max_len ({max_len}) must be >= the completion length T ({T})")
-    masked = torch.where(mask, per_token, 0.0)  # (N, T)
-    if loss_type in ("grpo", "sapo"):
-        return (masked.sum(1) / mask.sum(1).clamp(min=1)).sum() / num_sequences
-    if loss_type == "bnpo":
-        return masked.sum() / mask.sum().clamp(min=1) * (N / num_sequences)
-    if loss_type == "dr_grpo":
-        return masked.sum() / (num_sequences * max_len)
-    num_tokens = mask.sum() if num_tokens is None else torch.as_tensor(num_tokens)
-    return masked.sum() / num_tokens.clamp(min=1)
+    max_new_tokens = T if max_new_tokens is None else max_new_tokens
+    _check(max_new_tokens >= T, f"max_new_tokens ({max_new_tokens}) must be >= the completion length T ({T})")
+    n_seq = N if num_sequences is None else num_sequences
+    n_tok = mask.sum() if num_tokens is None else num_tokens
+    return AGGREGATIONS[aggregation](torch.where(mask, per_token, 0.0), mask, n_seq, n_tok, max_new_tokens)
 
 
 @dataclass(frozen=True)
 class Objective:
-    """grpo_loss's options, each train.py's flag or config key of the same name (max_len: --max-new-tokens, dr_grpo's
-    divisor). eps_high=None becomes eps. Choices and cross-field checks here, each value's range in train.py's check."""
+    """grpo_loss's options. Each field is train.py's flag of that name, or else a config key of it (checked, saved in
+    run.json, resumed): a fork's new option is one field here. eps_high=None becomes eps, aggregation=None the
+    --loss-type's. Choices and cross-field checks here, each flag's range in train.py's check."""
 
     beta: float = 0.04
     kl_estimator: str = "k3_clamped"
@@ -241,23 +270,36 @@ class Objective:
     importance_level: str = "token"
     entropy_coef: float = 0.0
     top_entropy_quantile: float = 1.0
-    max_len: int | None = None
+    max_new_tokens: int | None = None  # dr_grpo's divisor
+    is_mode: str = "token_truncate"
+    is_cap: float = 2.0  # --is-mode's C (TIS: 2)
+    aggregation: str | None = None  # pairs --loss-type's surrogate with another AGGREGATIONS entry
     cispo_cap: float = 5.0  # TRL reads epsilon_high (default eps) for it; 5: its docs' advice (ScaleRL's eps_max)
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
 
     def __post_init__(self):
-        _check_choice("--kl-estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_choice("--kl-estimator", self.kl_estimator, [*KL_ESTIMATORS, "full"])
         _check_choice("--loss-type", self.loss_type, LOSS_TYPES)
         _check_choice("--importance-level", self.importance_level, IMPORTANCE_LEVELS)
+        _check_choice("--is-mode", self.is_mode, BEHAVIOUR_MODES)
         eh = self.eps if self.eps_high is None else self.eps_high
         object.__setattr__(self, "eps_high", eh)  # frozen: resolved once, here; the checks below fail on NaN too
+        object.__setattr__(self, "aggregation", self.aggregation or LOSS_TYPES[self.loss_type][1])
+        _check_choice("aggregation", self.aggregation, AGGREGATIONS)
         _check(eh >= self.eps, f"--eps-high {eh} < --eps {self.eps}: clip-higher needs eps_high >= eps")
         _check(self.delta is None or self.delta > 1 + eh, f"--delta {self.delta} must be > 1 + eps_high = {1 + eh}")
+        _check(self.cispo_cap >= 1, f"cispo_cap must be >= 1, got {self.cispo_cap}")
+        _check(self.is_cap > 0, f"is_cap must be > 0, got {self.is_cap}")
+        _check(min(self.sapo_temperature_pos, self.sapo_temperature_neg) > 0, "sapo_temperature_pos/_neg must be > 0")
         _check(
-            self.loss_type not in ("cispo", "sapo") or (self.delta is None and eh == self.eps),  # TRL ignores them
+            self.surrogate == "clip" or (self.delta is None and eh == self.eps),  # TRL ignores them
             f"--loss-type {self.loss_type} does not clip: drop --delta and --eps-high (cispo's bound is cispo_cap)",
         )
+
+    @property
+    def surrogate(self):  # the SURROGATES entry --loss-type names
+        return LOSS_TYPES[self.loss_type][0]
 
 
 def grpo_loss(
@@ -270,16 +312,18 @@ def grpo_loss(
     *,
     entropy=None,
     kl=None,
-    behaviour_weights=None,
+    sample_logp=None,
     num_sequences=None,
     num_tokens=None,
 ):
-    """DeepSeekMath eq. 3 with obj's variants, per token, then aggregate(l, mask, obj.loss_type, ...):
-        l_t = -S_t e_t w_t + beta KL_t - entropy_coef H_t, S_t = min(min(rho, delta) A, clip(rho, 1-eps, 1+eps_high) A)
-    or cispo_/sapo_surrogate's; e_t (top_entropy_mask) and w_t (behaviour_weights, detached) scale the policy term
-    only, as TRL. (N, T) each: logp, old_logp (None: logp.detach(), mu=1), ref_logp, or kl (full_kl's, with grad) if
-    kl_estimator="full", entropy; advantages (N,) or (N, T) -> (loss, metrics: detached 0-dim, over valid tokens:
-    clip_low, clip_high, clip (cispo: rho > cispo_cap with A > 0, as TRL), kl, kl_max, entropy, ratio_mean/min/max)"""
+    """DeepSeekMath eq. 3 with obj's variants, per token, then aggregate(l, mask, obj.aggregation, ...):
+        l_t = -S_t e_t w_t + beta KL_t - entropy_coef H_t, S_t = SURROGATES[obj.surrogate] (the clip: min(min(rho,
+    delta) A, clip(rho, 1-eps, 1+eps_high) A)); e_t (top_entropy_mask) and w_t (behaviour_weights of old_logp against
+    sample_logp by obj.is_mode, detached; 1 without sample_logp) scale the policy term only, as TRL. (N, T) each:
+    logp, old_logp (None: logp.detach(), mu=1), ref_logp, or kl (full_kl's, with grad) if kl_estimator="full",
+    entropy, sample_logp (the sampler's); advantages (N,) or (N, T) -> (loss, metrics: detached 0-dim, over valid
+    tokens: clip_low, clip_high, clip (cispo: rho > cispo_cap with A > 0, as TRL), kl, kl_max, entropy, is_capped,
+    ratio_mean/min/max)"""
     _check(logp.dim() == 2, f"logp must have shape (N, T), got {tuple(logp.shape)}")
     N, T = logp.shape
     _check_shape((N, T) if advantages.dim() == 2 else (N,), advantages=advantages)
@@ -290,7 +334,7 @@ def grpo_loss(
         ref_logp=ref_logp,
         entropy=entropy,
         kl=kl,
-        behaviour_weights=behaviour_weights,
+        sample_logp=sample_logp,
     )
     beta, est = obj.beta, obj.kl_estimator
     full = est == "full"
@@ -306,24 +350,27 @@ def grpo_loss(
     old_logp = logp.detach() if old_logp is None else old_logp
     adv = _up(advantages)[:, None] if advantages.dim() == 1 else torch.where(mask, _up(advantages), 0.0)  # (N, 1|T)
     ratio = importance_ratio(logp, old_logp, mask, obj.importance_level)  # (N, T)
-    if obj.loss_type == "cispo":
-        per_token = -cispo_surrogate(ratio, adv, logp, obj.cispo_cap)  # (N, T)
-    elif obj.loss_type == "sapo":
-        per_token = -sapo_surrogate(ratio, adv, obj.sapo_temperature_pos, obj.sapo_temperature_neg)  # (N, T)
-    else:  # the clip of eq. 3
-        per_token = -clipped_surrogate(ratio, adv, obj.eps, obj.eps_high, obj.delta)  # (N, T)
+    per_token = -SURROGATES[obj.surrogate](ratio, adv, logp=logp, **vars(obj))  # (N, T)
     if obj.top_entropy_quantile < 1:
         per_token = per_token * top_entropy_mask(entropy, mask, obj.top_entropy_quantile)
-    if behaviour_weights is not None:
-        per_token = per_token * torch.where(mask, _up(behaviour_weights.detach()), 0.0)
+    if sample_logp is not None:  # the sampler's numerics differ from the trainer's: reweight the policy term
+        w, w_metrics = behaviour_weights(old_logp, sample_logp, mask, obj.is_mode, obj.is_cap)
+        per_token = per_token * torch.where(mask, w, 0.0)
     if beta > 0:  # a caller's full KL may hold garbage at padding: aggregate and the metrics mask it
         kl = _up(kl) if full else kl_estimate(logp, torch.where(mask, _up(ref_logp), 0.0), obj.kl_estimator)  # (N, T)
         per_token = per_token + beta * kl
     if obj.entropy_coef != 0:
         per_token = per_token - obj.entropy_coef * torch.where(mask, _up(entropy), 0.0)
-    loss = aggregate(per_token, mask, obj.loss_type, num_sequences, num_tokens, obj.max_len)
+    loss = aggregate(
+        per_token,
+        mask,
+        obj.aggregation,
+        num_sequences=num_sequences,
+        num_tokens=num_tokens,
+        max_new_tokens=obj.max_new_tokens,
+    )
     with torch.no_grad():  # metrics: detached, no .item() (no device sync); an all-masked call gives 0, not NaN
-        cispo = obj.loss_type == "cispo"  # one bound, no lower one
+        cispo = obj.surrogate == "cispo"  # one bound, no lower one
         low = (ratio < 1 - obj.eps) & (adv < 0) & (not cispo)  # (N, T)
         high = (ratio > (obj.cispo_cap if cispo else 1 + obj.eps_high)) & (adv > 0)  # (N, T)
         metrics = {k: _mean(x.float(), mask) for k, x in (("clip_low", low), ("clip_high", high), ("clip", low | high))}
@@ -331,5 +378,7 @@ def grpo_loss(
             metrics["kl"], metrics["kl_max"] = _mean(kl, mask), _max(kl, mask)
         if entropy is not None:
             metrics["entropy"] = _mean(_up(entropy), mask)
+        if sample_logp is not None:
+            metrics["is_capped"] = w_metrics["is_capped"]
         metrics.update(ratio_mean=_mean(ratio, mask), ratio_max=_max(ratio, mask), ratio_min=-_max(-ratio, mask))
     return loss, metrics

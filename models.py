@@ -5,7 +5,6 @@ local HF directory, a `.gguf` file, or the alias `smollm2-135m`: SmolLM2-135M-In
 import hashlib
 import importlib.util
 import os
-import tempfile
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -85,31 +84,15 @@ def _why(e, n=200):  # an exception as one short line: its type and the start of
 
 
 def _gguf_to_hf(gguf_path):
-    """Dequantise a GGUF file once into a cached bf16 HF folder of plain, trainable nn.Linear weights; returns it."""
+    """A GGUF file as a cached bf16 HF folder of plain, trainable weights (convert.py converts it on first use)."""
     gguf_path = os.path.abspath(gguf_path)
     key = hashlib.sha256(f"{gguf_path}:{os.path.getsize(gguf_path)}".encode()).hexdigest()[:12]
     out = os.path.join(CACHE_DIR, "models", f"{os.path.basename(gguf_path)[:-5]}-{key}")
-    if os.path.exists(os.path.join(out, "config.json")):
-        return out
-    from transformers import GgufConfig
+    if not os.path.exists(os.path.join(out, "config.json")):
+        import convert
 
-    folder, fname = os.path.split(gguf_path)
-    print(f"converting {gguf_path} to a bf16 HF folder in {out} (once)")
-    try:
-        tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
-        model = AutoModelForCausalLM.from_pretrained(
-            folder, gguf_file=fname, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-        )
-    except Exception as e:  # not a GGUF file, a truncated one, an architecture transformers cannot read
-        raise ModelError(f"cannot read {gguf_path} as a GGUF model ({_why(e, 160)}); pass a valid .gguf file") from None
-    model.config.quantization_config = None  # dequantized: plain weights
-    model.config.name_or_path = gguf_path
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(out), ignore_cleanup_errors=True) as tmp:  # gone once renamed
-        model.to(torch.bfloat16).save_pretrained(tmp)  # written aside, then renamed: a kill never leaves half a folder
-        tok.save_pretrained(tmp)
-        if not os.path.exists(out):  # else a process beside this one converted it first
-            os.replace(tmp, out)
+        if problem := convert.gguf_model(gguf_path, out):
+            raise ModelError(f"cannot read {gguf_path} as a GGUF model ({problem}); pass a valid .gguf file")
     return out
 
 

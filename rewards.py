@@ -1,11 +1,13 @@
 r"""Scoring: answer extraction, reward fns `fn(completions, **fields) -> list[float]` (one finite number per
-completion; fields are per-completion lists, e.g. answer=[...], num_tokens=[...], taken by name, `**_` the rest)
-and their weighted sum. Extraction as lm-eval-harness gsm8k strict-match (lm_eval/tasks/gsm8k/gsm8k.yaml) and
-flexible-extract, and Qwen2.5-Math's last `\boxed{...}` (QwenLM/Qwen2.5-Math evaluation/parser.py):
+completion; fields are per-completion lists, e.g. answer=[...], num_tokens=[...], taken by name, `**_` the rest),
+REWARDS (any task switches any of them on with a weight), and their weighted sum. Extraction as lm-eval-harness gsm8k
+strict-match (lm_eval/tasks/gsm8k/gsm8k.yaml) and flexible-extract, and Qwen2.5-Math's last `\boxed{...}`
+(QwenLM/Qwen2.5-Math evaluation/parser.py):
 >>> text = "4 + 4 = 8\n#### 8\nQuestion: ...\n#### 2, \\boxed{\\frac{3}{4}}: she pays $1,200.50"
 >>> extract_strict(text), extract_boxed(text), extract_flexible(text), answers_match("$1,000.", "1000")
 ('8', '\\frac{3}{4}', '$1,200.50', True)"""
 
+import inspect
 import math
 import numbers
 import re
@@ -83,6 +85,21 @@ def format_reward(completions, **_):
     return [float(has_final_answer(c)) for c in completions]
 
 
+def tool_reward(completions, tool_calls, tool_errors, **_):
+    """1.0 where a tool call ran (a call answered with an error aside): a push towards calling."""
+    return [float(c > e) for c, e in zip(tool_calls, tool_errors)]
+
+
+def tool_cost(completions, tool_calls, **_):
+    """-1 per tool call (errors and refusals count): with a small weight, a price on calling that only a right
+    answer without the tool avoids."""
+    return [-float(c) for c in tool_calls]
+
+
+# what --reward-weights NAME=W switches on for any task (a task's own reward_fns add to these or replace them)
+REWARDS = {"correct": correctness_reward, "format": format_reward, "tool": tool_reward, "tool_cost": tool_cost}
+
+
 def overlong_reward(max_len, buffer):
     """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13) as a reward fn: with L = max_len, B = buffer,
     |y| = num_tokens (stop token included), R = 0 if |y| <= L - B, (L - B - |y|) / B if |y| <= L, else -1.
@@ -111,6 +128,20 @@ def parse_weights(spec, reward_fns):
         if name not in reward_fns or not math.isfinite(weights[name]):
             raise ValueError(f"--reward-weights: '{item}' is not name=number with name in {sorted(reward_fns)}")
     return weights
+
+
+def check_fields(reward_fns, fields):
+    """ValueError in one line for the first fn that asks for a field (a parameter after the completions without a
+    default) not in `fields`."""
+    for name, fn in reward_fns.items():
+        params = list(inspect.signature(fn).parameters.values())[1:]
+        kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+        missing = [p.name for p in params if p.default is p.empty and p.kind in kinds and p.name not in fields]
+        if missing:
+            raise ValueError(
+                f"reward {name!r} asks for the field {missing[0]!r}, which this task does not give (it gives "
+                f"{', '.join(sorted(fields))}); give it a default or drop the reward's weight"
+            )
 
 
 class RewardError(ValueError):

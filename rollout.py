@@ -16,25 +16,29 @@ from transformers import DynamicCache
 import grpo
 
 
+ROW_FIELDS = ("num_tokens", "own_tokens", "truncated", "trajectory")  # Rollout.reward_fields beside the example's
+
+
 @dataclass
 class Rollout:
     prompt_ids: torch.Tensor  # (N, P) left-padded prompt tokens, N = num_prompts * G
     prompt_mask: torch.Tensor  # (N, P) 1 on real prompt tokens
     completion_ids: torch.Tensor  # (N, C) the trajectory: sampled tokens (and tool replies), pad after the stop
     completion_mask: torch.Tensor  # (N, C) 1 on the model's own tokens, each turn's stop token included
-    truncated: torch.Tensor  # (N,) bool: its last own token is no stop token (it ran out of max_new_tokens)
+    truncated: torch.Tensor  # (N,) bool: the budget ended the row (max_new_tokens), not its stop token or environment
     completions: list  # N strings: the model's own words (its sampled tokens only), turns joined by a newline
     sample_logp: torch.Tensor  # (N, C) log-probs at sampling time (temperature applied), 0 off completion_mask
     prompt_cut: torch.Tensor  # (N,) bool: the prompt was cut from the left to max_prompt_tokens
     env_mask: torch.Tensor  # (N, C) bool: an environment's reply, which the model reads but is not trained on
-    tool_calls: torch.Tensor  # (N,) tool calls of each row
-    tool_errors: torch.Tensor  # (N,) of them, the ones answered with an error
     trajectories: list = None  # N strings: the whole conversation after the prompt, replies included
-    env_state: list = None  # N dicts: each row's environment's state() (reward fields), {} without one
+    env_state: list = None  # N dicts: each row's environment's state() (numbers: reward fields, env/ metrics)
+    examples: list = None  # N dicts: the example each row answers
+    rewards: torch.Tensor = None  # (N, K) each reward fn's value for each row (train.py's collect fills it)
 
     def __post_init__(self):  # without an environment the trajectory is the completion, and there is no state
         self.trajectories = self.completions if self.trajectories is None else self.trajectories
         self.env_state = [{} for _ in self.completions] if self.env_state is None else self.env_state
+        self.examples = [{} for _ in self.completions] if self.examples is None else self.examples
 
     @property
     def input_ids(self):
@@ -44,12 +48,17 @@ class Rollout:
     def attention_mask(self):  # what the model attends to: prompt, its own tokens and the tools' replies
         return torch.cat([self.prompt_mask, self.completion_mask + self.env_mask.long()], 1)  # (N, P+C)
 
-    @property
-    def state_fields(self):  # the environments' states as reward fields: name -> one value per row
-        return {k: [s[k] for s in self.env_state] for k in (self.env_state or [{}])[0]}
+    def reward_fields(self):
+        """What reward fns may ask for by name, one value per row: the example's keys, num_tokens (the budget used:
+        its own tokens and the replies it read), own_tokens, truncated (0/1), trajectory, the environment's state."""
+        own = self.completion_mask.sum(1)  # (N,) its stop tokens included
+        out = {k: [e[k] for e in self.examples] for k in self.examples[0]}
+        out.update(num_tokens=(own + self.env_mask.sum(1)).tolist(), own_tokens=own.tolist())
+        out.update(truncated=self.truncated.float().tolist(), trajectory=self.trajectories)
+        return out | {k: [s[k] for s in self.env_state] for k in self.env_state[0]}
 
     def __getitem__(self, rows):  # the rows `rows` (a LongTensor) of every field
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
         return Rollout(**{k: [v[i] for i in rows.tolist()] if isinstance(v, list) else v[rows] for k, v in out.items()})
 
 
@@ -89,6 +98,17 @@ def stop_token_ids(tokenizer, model):
     return sorted(i for i in ids if i is not None)
 
 
+@dataclass(frozen=True)
+class Sampler:  # the sampler draws from logits(z), the trainer scores under it: they agree by construction
+    temperature: float = 1.0  # 0: greedy. A field is train.py's flag of its name, else a config key (top_k: a fork)
+
+    def logits(self, z):  # raw logits (..., V) -> the sampled distribution's, fp32; log_softmax: its log-probs
+        z = z.float()
+        if self.temperature not in (0, 1):
+            z = z / self.temperature
+        return z
+
+
 def sample_from_logits(logits, u):
     """One token per row by inverse CDF from one uniform u (N,) in [0, 1): one random number per row, not
     per vocabulary entry as torch.multinomial. A -inf token has an empty CDF interval: never drawn."""
@@ -121,36 +141,39 @@ def cast_once(device):
     return torch.autocast(device.type, enabled=False)
 
 
-@torch.no_grad()
 def sample(
     model,
     tokenizer,
     prompts,
     group_size,
+    *,
     max_new_tokens,
     stop_ids,
-    temperature=1.0,
+    sampler=Sampler(),
     generator=None,
     dtype=None,
     max_prompt_tokens=None,
     env=None,
     examples=None,
 ):
-    """`group_size` completions per prompt (temperature 0: greedy) through `model(...)` and its KV cache: each prompt
+    """`group_size` completions per prompt, drawn from sampler.logits, through `model(...)` and its KV cache: a prompt
     prefilled once, its cache repeated G times; the rows decode together to a stop token or max_new_tokens. generator:
     one, or one per prompt (its completions then depend on no neighbour). max_prompt_tokens: a prompt keeps its last.
     env (envs.EnvDriver, with the prompts' examples): one environment per row; a row it answers is fed the reply, one
     token a step, and decodes on; a row waiting on it is a hole (masked out, no position, no budget, no uniform),
     dropped from the Rollout: a row's tokens do not depend on how long its environment took."""
-    if group_size < 1 or max_new_tokens < 1 or not temperature >= 0:
-        raise ValueError(f"need G, max_new_tokens >= 1, temperature >= 0: {group_size, max_new_tokens, temperature}")
+    if group_size < 1 or max_new_tokens < 1 or not sampler.temperature >= 0:
+        raise ValueError(
+            f"need G, max_new_tokens >= 1, temperature >= 0: {group_size, max_new_tokens, sampler.temperature}"
+        )
     G = group_size
     was_training = model.training
     model.eval()  # no dropout, and HF drops the KV cache in train mode under gradient checkpointing
     device = next(model.parameters()).device
     pad_id = stop_ids[0]  # any pad id works: padding is masked everywhere
+    examples = examples or [{} for _ in prompts]
     if env is not None:
-        prompts = env.reset(examples or [{}] * len(prompts), prompts, G)
+        prompts = env.reset(examples, prompts, G)
     seqs = encode_prompts(tokenizer, prompts, env)
     cut = torch.tensor([max_prompt_tokens is not None and len(s) > max_prompt_tokens for s in seqs])  # (B,)
     seqs = [s[-max_prompt_tokens:] for s in seqs] if max_prompt_tokens else seqs
@@ -161,12 +184,13 @@ def sample(
     u = torch.cat([torch.rand(rows, max_new_tokens, generator=g, device=g and g.device) for g in gens]).to(device)
     stop = torch.as_tensor(stop_ids, device=device)
     done = torch.zeros(N, dtype=torch.bool, device=device)  # (N,) a row that stopped or used its budget
+    ended = torch.zeros(N, dtype=torch.bool, device=device)  # (N,) a row its stop token or environment ended
     used = torch.zeros(N, dtype=torch.long, device=device)  # (N,) budget used: own tokens and replies fed
     cols = []  # per step: token, log-prob, own, reply (N,) each
     cache = _Cache(config=model.config)
     cached = _cache_kwarg(model.get_decoder() if hasattr(model, "get_decoder") else model, cache)  # peft: **kwargs
     try:
-        with _autocast(model, dtype):  # one context for the whole loop: autocast casts each weight once
+        with torch.no_grad(), _autocast(model, dtype):  # one context for the loop: autocast casts each weight once
             pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
             logits = (
                 model(input_ids=ids, attention_mask=mask, position_ids=pos, **cached, use_cache=True, logits_to_keep=1)
@@ -176,17 +200,18 @@ def sample(
             cache.batch_repeat_interleave(G)
             mask, pos = mask.repeat_interleave(G, 0), pos[:, -1:].repeat_interleave(G, 0)  # (N, P), (N, 1)
             while True:
-                scaled = logits.float() / (temperature or 1.0)  # (N, V)
+                scaled = sampler.logits(logits)  # (N, V)
                 ut = u.gather(1, used[:, None].clamp(max=max_new_tokens - 1)).squeeze(1)  # (N,) by the row's own count
-                tok = sample_from_logits(scaled, ut) if temperature else scaled.argmax(-1)  # (N,)
+                tok = sample_from_logits(scaled, ut) if sampler.temperature else scaled.argmax(-1)  # (N,)
                 own, tok = ~done, tok.masked_fill(done, pad_id)  # (N,)
                 reply = torch.zeros_like(done)  # (N,) a row fed an environment's reply token
                 end = torch.isin(tok, stop) & own  # (N,) a row whose turn ends here
                 if env is not None:  # a row in a reply takes the reply's next token; a waiting row a hole
-                    tok, own, reply, end = env.step(tok, done, end, used == max_new_tokens - 1)
+                    tok, own, reply, end = env.step(tok, done, end, max_new_tokens - 1 - used)
                 fed = own | reply  # (N,)
                 cols.append((tok, scaled.log_softmax(-1).gather(1, tok[:, None]).squeeze(1), own, reply))
                 used += fed
+                ended |= end
                 done |= end | (used == max_new_tokens)
                 if bool(done.all()):
                     break
@@ -205,46 +230,25 @@ def sample(
     tokens, logps, own, reply = (x.gather(1, keep) for x in (tokens, logps, own, reply))
     tokens = tokens.masked_fill(~(own | reply), pad_id)
     is_stop = torch.isin(tokens, stop) & own  # (N, C)
-    last = (own.long() * torch.arange(tokens.size(1), device=device)).argmax(1)  # (N,) each row's last own token
-    truncated = ~is_stop.gather(1, last[:, None]).squeeze(1)  # (N,) ended without a stop token
-    completions = own_text(tokenizer, tokens, own & ~is_stop, reply)
-    trajectories = completions
-    states = None
-    if env is not None:  # the conversation as the template writes it, the row's final stop token left out
-        ends = (own | reply).sum(1) - (~truncated).long()  # (N,)
-        trajectories = [tokenizer.decode(row[:n], skip_special_tokens=False) for row, n in zip(tokens.tolist(), ends)]
-        states = env.states()
-    calls, errors = (torch.tensor([s.get(k, 0) for s in states or [{}] * N]) for k in ("tool_calls", "tool_errors"))
+    words = own & ~is_stop  # (N, C) the model's own words: its tokens, each turn's stop token left out
+    completions = tokenizer.batch_decode([t[w].tolist() for t, w in zip(tokens, words)], skip_special_tokens=True)
+    trajectories, states = completions, None
+    if env is not None:  # its words turn by turn, the whole conversation, the environments' states
+        completions, trajectories, states = env.texts(tokens, words, reply, is_stop)
     return Rollout(
         prompt_ids=ids.repeat_interleave(G, 0),
         prompt_mask=mask[:, : ids.size(1)],
         completion_ids=tokens,
         completion_mask=own.long(),  # the model's own tokens, its stop token included
-        truncated=truncated,
+        truncated=~ended,  # the budget ended it (in its own words or in a reply), not its stop token or environment
         completions=completions,
         sample_logp=logps.masked_fill(~own, 0.0),
         prompt_cut=cut.repeat_interleave(G, 0).to(device),
         env_mask=reply,
-        tool_calls=calls.to(device),
-        tool_errors=errors.to(device),
         trajectories=trajectories,
         env_state=states,
+        examples=[e for e in examples for _ in range(G)],
     )
-
-
-def own_text(tokenizer, ids, keep, reply):
-    """The model's own words per row: the ids (N, C) under keep (N, C), special tokens skipped, one turn per stretch
-    between replies (N, C), the turns joined by a newline."""
-    out = []
-    for row, k, r in zip(ids.tolist(), keep.tolist(), reply.tolist()):
-        turns = [[]]
-        for x, is_own, is_reply in zip(row, k, r):
-            if is_reply and turns[-1]:
-                turns.append([])
-            if is_own:
-                turns[-1].append(x)
-        out.append("\n".join(tokenizer.batch_decode([t for t in turns if t], skip_special_tokens=True)))
-    return out
 
 
 def concat(rollouts):
@@ -253,6 +257,8 @@ def concat(rollouts):
     out = {}
     for name in [f.name for f in fields(Rollout)]:
         parts = [getattr(r, name) for r in rollouts]  # (n_i, w_i) or (n_i,) or lists
+        if parts[0] is None:
+            continue
         if isinstance(parts[0], list):
             out[name] = [x for p in parts for x in p]
             continue
@@ -265,7 +271,7 @@ def concat(rollouts):
 
 
 @torch.no_grad()
-def batch_logprobs(model, r, micro_batch, temperature=1.0, share=True, dtype=None, hidden=False):
+def batch_logprobs(model, r, micro_batch, *, sampler=Sampler(), share=True, dtype=None, hidden=False):
     """No-grad log-probs (N, C) of a Rollout's tokens under `model` on its device, micro-batch by micro-batch; only
     results travel to the rollout's device. hidden: the final hidden states, (rows, c, H) a micro-batch (full KL)."""
     device = r.completion_ids.device
@@ -275,7 +281,7 @@ def batch_logprobs(model, r, micro_batch, temperature=1.0, share=True, dtype=Non
             if hidden:
                 out.append(completion_hidden(model, ids, mask, c, share).to(device))
             else:
-                out[rows, :c] = token_logprobs(model, ids, mask, c, temperature, share=share)[0]
+                out[rows, :c] = token_logprobs(model, ids, mask, c, sampler=sampler, share=share)[0]
     return out
 
 
@@ -321,19 +327,19 @@ class TokenLogp(torch.autograd.Function):
         return p.mul_(w).scatter_add_(1, t[:, None], g[:, None]), None, None
 
 
-def head_logprobs(lm_head, hidden, targets, temperature=1.0, with_entropy=False, ref=None):
-    """Log-prob of each target under the `lm_head` module: hidden (n, H), targets (n,) -> logp, entropy or None, kl or
-    None (n,). A chunk's (chunk, V) logits are made, used and checkpointed (backward reruns the head): no (n, V) tensor.
-    ref = (ref_lm_head, ref_hidden (n, H)): the exact KL(pi || pi_ref) over the vocabulary too (grpo.full_kl)."""
+def head_logprobs(lm_head, hidden, targets, *, sampler=Sampler(), with_entropy=False, ref=None):
+    """Log-prob of each target under sampler.logits of the `lm_head` module: hidden (n, H), targets (n,) -> logp,
+    entropy or None, kl or None (n,). A chunk's (chunk, V) logits are made, used and checkpointed (backward reruns the
+    head): no (n, V) tensor. ref = (ref_lm_head, ref_hidden (n, H)): the exact KL(pi || pi_ref) too (grpo.full_kl)."""
     size = max(16, (64 << 20) // (4 * lm_head.weight.size(0)))  # a chunk's fp32 logits stay under 64 MiB
 
     def chunk(h, t, h_ref):
-        z = lm_head(h).float() / temperature  # (n_c, V)
+        z = sampler.logits(lm_head(h))  # (n_c, V)
         logp, ent = TokenLogp.apply(z, t, with_entropy)  # (n_c,) each
         if h_ref is None:
             return logp, ent, None
         with torch.no_grad():
-            z_ref = ref[0](h_ref).float() / temperature  # (n_c, V)
+            z_ref = sampler.logits(ref[0](h_ref))  # (n_c, V)
         return logp, ent, grpo.full_kl(z, z_ref)
 
     out, grad = [], torch.is_grad_enabled() and hidden.requires_grad
@@ -413,7 +419,7 @@ def completion_hidden(model, input_ids, attention_mask, num_completion, share=Tr
 
 
 def token_logprobs(
-    model, input_ids, attention_mask, num_completion, temperature=1.0, with_entropy=False, ref=None, share=True
+    model, input_ids, attention_mask, num_completion, *, sampler=Sampler(), with_entropy=False, ref=None, share=True
 ):
     """Teacher-forced log-probs of each row's last C = num_completion tokens: input_ids, attention_mask (N, P+C) ->
     logp, entropy or None, kl or None (N, C), 0 where the mask is 0 (the head skips it). The decoder runs once (share:
@@ -425,9 +431,8 @@ def token_logprobs(
         hidden = _hidden(model, ids, mask, C, share)  # (N, C, H)
         real = mask[:, -C:].bool()  # (N, C) positions whose target is a real token
         ref = None if ref is None else (ref[0], ref[1][real])
-        out = head_logprobs(
-            model.get_output_embeddings(), hidden[real], ids[:, -C:][real], temperature, with_entropy, ref
-        )  # (n,) each
+        head = model.get_output_embeddings()
+        out = head_logprobs(head, hidden[real], ids[:, -C:][real], sampler=sampler, with_entropy=with_entropy, ref=ref)
     return tuple(None if v is None else v.new_zeros(real.shape).masked_scatter(real, v) for v in out)
 
 

@@ -4,6 +4,7 @@ checkpoints, written whole or not at all (a temp file renamed into place; the ne
 holding only tensors, numbers, strings and plain containers: read with torch.load(weights_only=True)."""
 
 import ast
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -15,6 +16,7 @@ import re
 import shutil
 import signal
 import sys
+import textwrap
 import zipfile
 
 import torch
@@ -23,7 +25,7 @@ from tqdm import tqdm
 
 OWN = ("run.json", "metrics.jsonl", "ckpt.pt", "tensorboard", "wandb", "hf")  # + dcp-*, temp files (_own)
 EXPORT_MARK = ".grpo-export"  # in hf/: the folder is a run's export, which a later export may replace
-IDENTITY = ("model", "task", "data_dir", "lora_rank", "fsdp", "seed")  # what --resume may not change
+IDENTITY = ("model", "task", "data_dir", "task_options", "lora_rank", "fsdp", "seed")  # what --resume may not change
 PATHS = ("config", "data_dir", "model", "out_dir", "resume")  # ~ and $VARS expanded, in config files too
 
 
@@ -64,11 +66,15 @@ def _config(p, spec, keys):
     return {name: user_path(value) if name in PATHS else value for name, value, _ in lines}
 
 
-def parse(p, ranges, constants, argv=None):
+def parse(p, ranges, constants, argv=None, knobs=()):
     """Flags with config files and --resume applied, every value checked -> (args, the checkpoint to resume
     from or None, the names whose value is not the default). constants: {name: (default, choices tuple or range)}
-    of the values only config files set."""
+    of the values only config files set; knobs: dataclasses whose fields that are no flag are such values too."""
     flags = {a.dest for a in p._actions} - {"help", "config"}
+    for cls in knobs:
+        constants.update({f.name: (f.default, None) for f in dataclasses.fields(cls) if f.name not in flags})
+    keys = ", ".join(f"{k}={d!r}" for k, (d, _) in constants.items())
+    p.epilog = textwrap.fill(f"config keys (--config FILE or --config name=value), with their defaults: {keys}", 100)
     defaults = vars(p.parse_args([]))
     pre = p.parse_known_args(argv)[0]
     configs = [_config(p, c, flags | set(constants)) for c in pre.config]
@@ -102,30 +108,12 @@ def parse(p, ranges, constants, argv=None):
             p.error(f"--resume {resume}: the checkpoint is at step {done}; pass --steps > {done} to train further")
         for k in IDENTITY:
             if k in saved and saved[k] != getattr(args, k):
+                name = f"--{k.replace('_', '-')}" if k in flags else k  # a flag, or a config key
                 p.error(
-                    f"--resume {resume}: the run was trained with --{k.replace('_', '-')} {saved[k]!r}, not "
-                    f"{getattr(args, k)!r}; resuming would mix two runs: drop that flag or start a new --out-dir"
+                    f"--resume {resume}: the run was trained with {name} {saved[k]!r}, not {getattr(args, k)!r}; "
+                    "resuming would mix two runs: drop that value or start a new --out-dir"
                 )
     return args, ckpt, {k for k, v in vars(args).items() if v != defaults.get(k, v)}
-
-
-def idle(args, given, tools):
-    """A line for each of train.py's values that was set (`given`) but has no effect in this combination."""
-    return [
-        f"note: {name} has no effect in this run ({why})"
-        for names, why in [
-            ("kl_estimator ref_device ref_sync_every", args.beta == 0 and "--beta 0: no reference"),
-            ("cispo_cap", args.loss_type != "cispo" and "not --loss-type cispo"),
-            ("sapo_temperature_pos sapo_temperature_neg", args.loss_type != "sapo" and "not --loss-type sapo"),
-            ("is_cap", args.is_mode == "none" and "--is-mode none"),
-            ("eval_every", args.eval_n == 0 and "--eval-n 0"),
-            ("max_resample", not args.dynamic_sampling and "no --dynamic-sampling"),
-            ("max_tool_calls max_reply_tokens max_attempts", not tools and f"task {args.task} has no environment"),
-            ("task_options", not args.task.startswith("rg:") and f"task {args.task} is not a reasoning-gym task"),
-        ]
-        if why
-        for name in sorted(given.intersection(names.split()))
-    ]
 
 
 KINDS = {
@@ -157,29 +145,19 @@ def _kind(action):  # the type a flag's value must have: its own, bool for a swi
 def check(p, args, ranges, constants=None, nullable=None):
     """Every value's type (config files bypass argparse's conversion), choices and range -> p.error. A number is
     >= 0 unless `ranges` says otherwise."""
-    items = [
-        (
-            a.dest,
-            a.option_strings[-1],
-            _kind(a),
-            a.choices,
-            ranges.get(a.dest, ">= 0"),
-            a.default is None if nullable is None else a.dest in nullable,
-        )
-        for a in p._actions
-        if a.option_strings and a.nargs not in ("+", "*") and hasattr(args, a.dest) and a.dest not in ("help", "config")
-    ]
-    items += [
-        (
-            k,
-            f"config key {k}",
-            type(d),
-            spec if isinstance(spec, tuple) else None,
-            spec if isinstance(spec, str) else None,
-            False,
-        )
-        for k, (d, spec) in (constants or {}).items()
-    ]
+    items = []  # (name, as the user wrote it, kind, choices, range, may be None)
+    for a in p._actions:
+        if (
+            a.option_strings
+            and a.nargs not in ("+", "*")
+            and hasattr(args, a.dest)
+            and a.dest not in ("help", "config")
+        ):
+            none_ok = a.default is None if nullable is None else a.dest in nullable
+            items.append((a.dest, a.option_strings[-1], _kind(a), a.choices, ranges.get(a.dest, ">= 0"), none_ok))
+    for k, (d, spec) in (constants or {}).items():
+        choices, spec = (spec, None) if isinstance(spec, tuple) else (None, spec)
+        items.append((k, f"config key {k}", str if d is None else type(d), choices, spec, d is None))
     for dest, flag, kind, choices, spec, can_be_none in items:
         v = getattr(args, dest)
         if v is None and not can_be_none:
@@ -215,6 +193,9 @@ def claim(out_dir, resume, overwrite):
     hf = os.path.join(out_dir, "hf")
     if os.path.isdir(hf) and not os.path.exists(os.path.join(hf, EXPORT_MARK)):
         return f"{hf} was not exported by a run: move it away or pass another --out-dir"
+    for name in ("run.json", "metrics.jsonl", "ckpt.pt"):  # a run's files, which it reads and appends to
+        if os.path.exists(os.path.join(out_dir, name)) and not os.path.isfile(os.path.join(out_dir, name)):
+            return f"{os.path.join(out_dir, name)} is not a file: move it away or pass another --out-dir"
     try:
         os.makedirs(out_dir, exist_ok=True)
         lock = open(os.path.join(out_dir, ".lock"), "a")
@@ -343,13 +324,15 @@ def load_checkpoint(path):
     return path, ckpt
 
 
-def save_run(out_dir, step, config, policy, optimizer, scheduler, scaler, ref=None, rank=0, world=1):
-    """The run's state after `step`, every rank's RNG and `ref` (when given) included -> None, or why it could
-    not be written. A LoRA or FSDP2 policy saves its own part (scale.py: the adapters; DCP shards)."""
+def save_run(out_dir, step, config, held, *, rank=0, world=1):
+    """The run's state after `step`: held = {policy, optimizer, scheduler, scaler, ref (None: not saved)}, every rank's
+    RNG -> None, or why it could not be written. A LoRA or FSDP2 policy saves its own part (scale.py: the adapters;
+    DCP shards)."""
+    policy, optimizer, ref = held["policy"], held["optimizer"], held["ref"]
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}  # nothing here draws from numpy's
     state = {
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict(),
+        "scheduler": held["scheduler"].state_dict(),
+        "scaler": held["scaler"].state_dict(),
         "step": step,
         "config": config,
         "ref": None if ref is None else ref.state_dict(),
@@ -371,9 +354,10 @@ def save_run(out_dir, step, config, policy, optimizer, scheduler, scaler, ref=No
     return failed
 
 
-def restore(ckpt, out_dir, policy, optimizer, scheduler, scaler, ref=None, rank=0):
-    """Load what save_run wrote (load_checkpoint's dict) into the run's objects and this rank's RNG -> the step
-    to continue from."""
+def restore(ckpt, out_dir, held, *, rank=0):
+    """Load what save_run wrote (load_checkpoint's dict) into the run's objects (save_run's held) and this rank's RNG
+    -> the step to continue from."""
+    policy, optimizer, ref = held["policy"], held["optimizer"], held["ref"]
     if hasattr(policy, "unshard") or hasattr(policy, "peft_config"):
         import scale
 
@@ -384,8 +368,8 @@ def restore(ckpt, out_dir, policy, optimizer, scheduler, scaler, ref=None, rank=
     else:
         policy.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
-    scheduler.load_state_dict(ckpt["scheduler"])
-    scaler.load_state_dict(ckpt["scaler"])
+    held["scheduler"].load_state_dict(ckpt["scheduler"])
+    held["scaler"].load_state_dict(ckpt["scaler"])
     if ref is not None and ckpt.get("ref") is not None:
         ref.load_state_dict(ckpt["ref"])
     torch.set_rng_state(ckpt["rng"][rank]["torch"])

@@ -1,33 +1,21 @@
 """Tasks: where examples come from, how they are put to the model, how answers are scored (`evaluate`); `TASKS` maps a
-name to a `Task`. To add one: a `load`, a system prompt, reward fns, a `TASKS` line.
+name to a `Task`, `get` gives one with its task_options applied. To add one: a `load`, a prompt, a `TASKS` line.
 - gsm8k: grade-school math (Cobbe et al. 2021, github.com/openai/grade-school-math).
 - arith: generated "What is 7 + 5?": a 135M model knows sums, rarely writes `#### N`: it learns on a CPU in minutes.
 Other tasks (process supervision, tools, ...) live in extra_tasks.py, imported only when one is named."""
 
 import hashlib
-import json
+import inspect
 import math
-import os
 import random
-import tempfile
-import urllib.request
 from functools import partial
-from pathlib import Path
 from typing import Callable, NamedTuple
 
 import torch
 from tqdm import tqdm
 
-from rewards import (
-    answers_match,
-    correctness_reward,
-    extract_answer,
-    extract_flexible,
-    extract_gold,
-    format_reward,
-    has_final_answer,
-)
-from rollout import sample, stop_token_ids
+from rewards import answers_match, extract_answer, extract_flexible, has_final_answer
+from rollout import Sampler, sample, stop_token_ids
 
 # prompts: the one place to edit what the model is told. short: a 135M model reads it.
 
@@ -50,13 +38,13 @@ class DataError(ValueError):
 
 
 class Task(NamedTuple):
-    load: Callable  # load(split, data_dir=None) -> list[dict] with "question", "answer"
+    load: Callable  # load(split, data_dir=None, **options) -> list[dict] with "question", "answer"
     prompt: Callable  # prompt(example) -> chat messages
-    reward_fns: dict  # name -> fn(completions, **fields) -> list[float]
-    reward_weights: dict  # name -> default weight (train.py --reward-weights overrides by name)
-    score: Callable  # score(completion, example) -> dict for eval.py
+    reward_fns: dict  # name -> fn(completions, **fields): the task's own, beside rewards.REWARDS (a name replaces it)
+    reward_weights: dict  # name -> weight: what the task trains on (--reward-weights reweights or adds any reward)
+    score: Callable  # score(completion, example, state) -> dict for eval.py; state: the row's environment's, else {}
     step_rewards: Callable | None = None  # (completion, example) -> [(char_end, reward), ...]: see step_positions
-    tools: Callable | None = None  # (tokenizer, **config keys) -> an envs.EnvDriver: the task's environment
+    env: Callable | None = None  # env(tokenizer, **options) -> an envs.EnvDriver: an environment for each row
 
 
 def check_generated(split, ops="+", n=None, data_dir=None):  # a generator's checks -> n: 200 test / 10,000 train
@@ -71,58 +59,10 @@ def check_generated(split, ops="+", n=None, data_dir=None):  # a generator's che
     return n
 
 
-# gsm8k: from a local copy, or downloaded once and checked by sha256
-GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
-GSM8K_SHA256 = {
-    "train": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
-    "test": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
-}
-GSM8K_HINT = "pass --data-dir DIR or set GSM8K_DIR=DIR to a directory holding train.jsonl and test.jsonl"
+def load_gsm8k(split, data_dir=None):  # GSM8K (Cobbe et al. 2021): gsm8k.py reads it, imported when a task uses it
+    import gsm8k
 
-
-def load_gsm8k(split, data_dir=None):
-    """GSM8K examples {"question", "answer" (gold number), "solution"} from data_dir, else $GSM8K_DIR (read as
-    is: an edited copy works), else the cache (downloaded on first use, checked by sha256)."""
-    check_generated(split)
-    data_dir = data_dir or os.environ.get("GSM8K_DIR")
-    cache = Path(os.environ.get("GRPO_CACHE") or "~/.cache/grpo-mini").expanduser() / "gsm8k"
-    path = (Path(data_dir).expanduser() if data_dir else cache) / f"{split}.jsonl"
-    if data_dir and not path.is_file():
-        raise DataError(f"GSM8K file not found: {path}; {GSM8K_HINT}")
-    if not path.is_file():  # download, then rename into place once the sha256 checks out
-        url = GSM8K_URL.format(split=split)
-        try:
-            with urllib.request.urlopen(url, timeout=20) as r:
-                data = r.read()
-        except OSError as e:  # URLError, timeouts, refused connections are all OSErrors
-            raise DataError(f"could not download GSM8K from {url} ({e}); {GSM8K_HINT}") from None
-        if (got := hashlib.sha256(data).hexdigest()) != GSM8K_SHA256[split]:
-            raise DataError(f"downloaded {url} has sha256 {got}, expected {GSM8K_SHA256[split]}; {GSM8K_HINT}")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".part", delete=False) as f:  # ranks may race
-            f.write(data)
-        os.replace(f.name, path)  # atomic: a reader never sees half a file
-    examples = []
-    for lineno, raw in enumerate(path.read_bytes().split(b"\n"), 1):  # bytes: a bad byte is reported with its line
-        try:
-            if (line := raw.decode("utf-8-sig")).strip():  # -sig: a file saved with a BOM reads the same
-                row = json.loads(line)
-                question, solution = row["question"], row["answer"]
-                if not isinstance(question, str) or not question.strip():
-                    raise ValueError(f"'question' must be a non-empty string, got {question!r:.40}")
-                examples.append({"question": question, "answer": extract_gold(solution), "solution": solution})
-        except UnicodeDecodeError as e:
-            raise DataError(f"{path}:{lineno}: byte {raw[e.start]:#04x} is not UTF-8; save the file as UTF-8") from None
-        except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError too
-            why = f"{type(e).__name__}: {e}"  # a KeyError, a TypeError
-            if isinstance(e, ValueError):
-                why = str(e)
-            if isinstance(e, json.JSONDecodeError):
-                why = f"not valid JSON ({e.msg})"
-            raise DataError(f"{path}:{lineno}: {why}; expected an object with 'question' and 'answer'") from None
-    if not examples:
-        raise DataError(f"no examples in {path}; {GSM8K_HINT}")
-    return examples
+    return gsm8k.load(split, data_dir)
 
 
 # arith and its kin: generated, split by a hash of the problem
@@ -165,7 +105,7 @@ def load_arith(split, data_dir=None, n=None, digits=ARITH_DIGITS, ops=ARITH_OPS,
     return [{"question": f"What is {a} {op} {b}?", "answer": str(OPS[op](a, b))} for a, op, b in problems]
 
 
-def score(completion, example):  # shared by all tasks
+def score(completion, example, state=None):  # shared by the tasks whose environment (if any) judges nothing
     """strict: the final-answer line (`#### N` or `\\boxed{}`) is right; flexible: the last number is (lm-eval's)."""
     pred = extract_answer(completion)
     return {
@@ -176,12 +116,45 @@ def score(completion, example):  # shared by all tasks
     }
 
 
-# format gets a small weight: a push towards the `####` line, which correctness needs first
-REWARDS, WEIGHTS = {"correct": correctness_reward, "format": format_reward}, {"correct": 1.0, "format": 0.1}
+WEIGHTS = {"correct": 1.0, "format": 0.1}  # format: a small push towards the `####` line, which correct needs first
 TASKS = {  # each task its own dicts: editing one task's weights leaves the others
-    "gsm8k": Task(load_gsm8k, partial(chat_prompt, SYSTEM_PROMPT), dict(REWARDS), dict(WEIGHTS), score),
-    "arith": Task(load_arith, partial(chat_prompt, ARITH_SYSTEM_PROMPT), dict(REWARDS), dict(WEIGHTS), score),
+    "gsm8k": Task(load_gsm8k, partial(chat_prompt, SYSTEM_PROMPT), {}, dict(WEIGHTS), score),
+    "arith": Task(load_arith, partial(chat_prompt, ARITH_SYSTEM_PROMPT), {}, dict(WEIGHTS), score),
 }
+
+
+def with_options(task, name, options):
+    """`task` with task_options bound: each a keyword of its load (arith: digits, ops, seed, n) or of its environment
+    (arith_retry: max_attempts), of its default's type (a float takes an int too); ValueError in one line otherwise."""
+    takes = {}  # option -> (its function, its default)
+    for fn in filter(None, (task.load, task.env)):
+        params = inspect.signature(fn).parameters.values()
+        takes.update({p.name: (fn, p.default) for p in params if p.default is not p.empty and p.name != "data_dir"})
+    for key, value in options.items():
+        if key not in takes:
+            listing = ", ".join(f"{k}={d!r}" for k, (_, d) in takes.items()) or "no options"
+            raise ValueError(f"task_options {key!r}: task {name} takes {listing}")
+        default = takes[key][1]
+        kinds = (int, float) if isinstance(default, float) else (type(default),)
+        if default is not None and type(value) not in kinds:
+            raise ValueError(f"task_options {key!r} must be like its default {default!r}, got {value!r}")
+    task = task._replace(load=partial(task.load, **{k: v for k, v in options.items() if takes[k][0] is task.load}))
+    if task.env:
+        task = task._replace(env=partial(task.env, **{k: v for k, v in options.items() if takes[k][0] is task.env}))
+    return task
+
+
+def get(name, options=None):
+    """The task `name` (tasks.py's, extra_tasks.py's, rg:NAME) with `options` (train.py's task_options) applied;
+    ValueError in one line for an unknown name or option."""
+    if name in TASKS:
+        return with_options(TASKS[name], name, options or {})
+    import extra_tasks  # the other tasks, imported only when one is named
+
+    return extra_tasks.get(name, options or {})
+
+
+SCORES = {"strict": "strict_acc", "flexible": "flexible_acc", "format": "format_rate", "score": "score"}  # evaluate's
 
 
 def pass_at_k(n, c, k):
@@ -196,73 +169,67 @@ def evaluate(
     tokenizer,
     task,
     examples,
+    *,
     max_new_tokens=256,
     batch_size=32,
     n=1,
-    temperature=1.0,
+    sampler=None,
     seed=0,
     progress=True,
     dtype=None,
     env=None,
 ):
-    """Score `examples` -> (summary, one record per example); n=1 is greedy, n>1 samples n completions
-    each (mean accuracies, pass@k). dtype: sampling's compute dtype. progress: a bar on stderr. A task with an
-    environment runs it (env: an envs.EnvDriver, else one with its defaults): the model's own words are scored, each
-    record keeps the trajectory, and the environments' states are averaged (tool_call_rate: samples that called)."""
-    env = task.tools(tokenizer) if task.tools and env is None else env
+    """Score `examples` -> (summary, one record per example); n=1 is greedy, n>1 samples n completions each from
+    `sampler` (mean accuracies, pass@k). dtype: sampling's compute dtype. progress: a bar on stderr. A task with an
+    environment runs it (env: an envs.EnvDriver, else the task's): task.score reads the model's own words and the row's
+    environment state, as the rewards do; each record keeps the trajectory; the states' means are env/ keys."""
+    if task.env and env is None:
+        env = task.env(tokenizer)
+    if n == 1:
+        sampler = Sampler(temperature=0.0)
+    sampler = sampler or Sampler()
     stops = stop_token_ids(tokenizer, model)
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     per_batch = max(1, batch_size // n)
-    records = []
-    correct = []  # how many of an example's n are right
+    records, correct = [], []  # one record an example; how many of its n are right
     with tqdm(total=len(examples), desc="eval", unit="problem", disable=not progress, leave=False) as bar:
         for i in range(0, len(examples), per_batch):
             batch = examples[i : i + per_batch]
+            prompts = [task.prompt(ex) for ex in batch]
             r = sample(
                 model,
                 tokenizer,
-                [task.prompt(ex) for ex in batch],
+                prompts,
                 n,
-                max_new_tokens,
-                stops,
-                temperature=temperature if n > 1 else 0.0,
+                max_new_tokens=max_new_tokens,
+                stop_ids=stops,
+                sampler=sampler,
                 generator=generator,
                 dtype=dtype,
                 env=env,
                 examples=batch,
             )
-            states = [{**s, "called": float(s["tool_calls"] > 0)} if "tool_calls" in s else s for s in r.env_state]
             for j, ex in enumerate(batch):
-                outs = r.completions[j * n : (j + 1) * n]
-                scores = [task.score(c, ex) for c in outs]
+                rows = range(j * n, (j + 1) * n)
+                scores = [task.score(r.completions[k], ex, r.env_state[k]) for k in rows]
                 correct.append(sum(bool(s["strict"]) for s in scores))
-                records.append(
-                    {
-                        "question": ex["question"],
-                        "gold": ex["answer"],
-                        "completion": outs[0],
-                        "pred": scores[0]["pred"],
-                        "correct": scores[0]["strict"],
-                        **{k: sum(s[k] for s in scores) / n for k in ("strict", "flexible", "format")},
-                        **({"score": sum(s["score"] for s in scores) / n} if "score" in scores[0] else {}),
-                        **({"source": ex["source"]} if "source" in ex else {}),
-                        **({"completions": outs} if n > 1 else {}),
-                        **({"trajectory": r.trajectories[j * n]} if env is not None else {}),
-                        **{k: sum(s[k] for s in states[j * n : (j + 1) * n]) / n for k in states[j * n]},
-                    }
-                )
+                record = {"question": ex["question"], "gold": ex["answer"], "completion": r.completions[j * n]}
+                record.update(pred=scores[0]["pred"], correct=scores[0]["strict"], source=ex.get("source"))
+                record.update({k: sum(s[k] for s in scores) / n for k in scores[0] if k != "pred"})  # strict, ...
+                record["env"] = {k: sum(r.env_state[x][k] for x in rows) / n for k in r.env_state[j * n]}
+                if n > 1:
+                    record["completions"] = r.completions[j * n : (j + 1) * n]
+                if env is not None:  # the conversation, replies included
+                    record["trajectory"] = r.trajectories[j * n]
+                records.append(record)
             bar.update(len(batch))
     m = max(len(records), 1)
-    names = {"strict": "strict_acc", "flexible": "flexible_acc", "format": "format_rate"}
-    if records:  # the environments' states, averaged
-        names.update({k: k for k in states[0]})
-    if "called" in names:
-        names["called"] = "tool_call_rate"
-    if records and "score" in records[0]:  # a partial-credit mean
-        names["score"] = "score"
-    summary = {"n_examples": len(records), **{name: sum(r[k] for r in records) / m for k, name in names.items()}}
-    for source in sorted({r["source"] for r in records if "source" in r}):  # a mix: which task moved
-        mine = [r["strict"] for r in records if r.get("source") == source]
+    summary = {"n_examples": len(records)}
+    if records:  # accuracies, a partial-credit mean; the environments' states
+        summary.update({SCORES[k]: sum(x[k] for x in records) / m for k in records[0] if k in SCORES})
+        summary.update({f"env/{k}": sum(x["env"][k] for x in records) / m for k in records[0]["env"]})
+    for source in sorted({x["source"] for x in records} - {None}):  # a mix: which task moved
+        mine = [x["strict"] for x in records if x["source"] == source]
         summary[f"strict_acc/{source}"] = sum(mine) / len(mine)
     if n > 1:
         ks = sorted({2**j for j in range(n.bit_length())} | {n})  # 1, 2, 4, ... up to n, and n

@@ -12,10 +12,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import grpo, rollout, run  # noqa: E401
+import grpo, rollout, run, tasks  # noqa: E401
 from models import DTYPES, check_dtype, load_model, load_tokenizer, native_bf16, resolve_device, resolve_dtype
-from rewards import RewardError, combine_rewards, overlong_reward, parse_weights
-from tasks import TASKS, evaluate
+from rewards import REWARDS, RewardError, check_fields, combine_rewards, overlong_reward, parse_weights
 
 # --- flags: defaults here, then --config files, then the command line (run.parse checks every value)
 fmt = type("Help", (argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter), {})  # + defaults
@@ -41,9 +40,9 @@ g.add_argument("--mu", type=int, default=1, help="optimizer steps per generation
 g.add_argument("--lr", type=float, default=1e-6, help="AdamW learning rate")
 g = p.add_argument_group("the GRPO objective (grpo.py)")
 g.add_argument("--beta", type=float, default=0.04, help="KL coefficient; 0 = no reference model")
-g.add_argument("--kl-estimator", default="k3_clamped", choices=grpo.KL_ESTIMATORS, help="full: exact, from logits")
+g.add_argument("--kl-estimator", default="k3_clamped", choices=[*grpo.KL_ESTIMATORS, "full"], help="full: exact")
 g.add_argument("--loss-type", default="grpo", choices=grpo.LOSS_TYPES, help="the surrogate and its aggregation")
-g.add_argument("--scale-rewards", default="group", choices=grpo.SCALES, help="none = Dr. GRPO")
+g.add_argument("--scale-rewards", default="group", choices=grpo.ADVANTAGES, help="none = Dr. GRPO")
 g.add_argument("--eps", type=float, default=0.2, help="clip epsilon (low)")
 g.add_argument("--eps-high", type=float, default=None, help="clip-higher (DAPO); None = --eps")
 g.add_argument("--delta", type=float, default=None, help="cap on the ratio (INTELLECT-2 two-sided clip)")
@@ -52,7 +51,7 @@ g.add_argument("--mask-truncated", action="store_true", help="no loss on complet
 g.add_argument("--entropy-coef", type=float, default=0.0, help="entropy bonus")
 g.add_argument("--top-entropy-quantile", type=float, default=1.0, help="train only the top-rho entropy tokens")
 g.add_argument("--is-mode", default="token_truncate", choices=grpo.BEHAVIOUR_MODES, help="pi_train / pi_sample")
-g.add_argument("--supervision", default="outcome", choices=["outcome", "process"], help="process: step rewards")
+g.add_argument("--supervision", default="outcome", choices=("outcome", "process"), help="process: step rewards")
 g.add_argument("--overlong-buffer", type=int, default=0, help="DAPO soft overlong punishment over the last N tokens")
 g.add_argument("--reward-weights", default=None, help="e.g. correct=1,format=0.1,overlong=0.5 (default: the task's)")
 g = p.add_argument_group("run")
@@ -65,25 +64,23 @@ g.add_argument("--eval-n", type=int, default=200, help="test examples per eval (
 g = p.add_argument_group("scale (scale.py)")
 g.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank (peft); 0 = full fine-tuning")
 g.add_argument("--fsdp", action="store_true", help="under torchrun: shard weights, grads, AdamW states (FSDP2)")
+
+LR_SCHEDULES = {  # lr_schedule: fn(t, the fraction done of the updates after the warmup) -> the factor on --lr
+    "constant": lambda t: 1.0,
+    "cosine": lambda t: 0.55 + 0.45 * math.cos(math.pi * t),  # from 1 down to 0.1 at the last update
+}
 CONSTANTS = {  # knobs few would sweep: (default, range or choices); set in a config file or as --config name=value
-    "lr_schedule": ("constant", ("constant", "cosine")),
-    "warmup_steps": (0, ">= 0"),  # cosine: to 10% of --lr
+    "lr_schedule": ("constant", tuple(LR_SCHEDULES)),
+    "warmup_steps": (0, ">= 0"),  # a linear warmup to --lr
     "weight_decay": (0.0, ">= 0"),
     "grad_clip": (1.0, ">= 0"),  # grad_clip 0: off
-    "is_cap": (2.0, "> 0"),
-    "max_resample": (4, ">= 0"),  # --is-mode's cap (TIS: 2); --dynamic-sampling's extra
+    "max_resample": (4, ">= 0"),  # --dynamic-sampling's extra rollouts at most
     "ref_sync_every": (0, ">= 0"),  # every N steps the reference becomes the policy (§4.2); 0 = never
     "save_every": (50, ">= 0"),
     "log_completions": (10, ">= 0"),  # checkpoints (+ one at the end); samples shown
     "export": ("none", ("none", "model", "adapter")),  # OUT_DIR/hf at the end: a HF model (LoRA merged), adapters
     "log_to": ("none", ("none", "tensorboard", "wandb")),  # a tracker besides metrics.jsonl
-    "cispo_cap": (5.0, ">= 1"),
-    "sapo_temperature_pos": (1.0, "> 0"),
-    "sapo_temperature_neg": (1.05, "> 0"),
-    "max_tool_calls": (4, ">= 1"),  # a task with tools: later calls get an error reply (envs.py)
-    "max_reply_tokens": (64, ">= 1"),  # an environment's reply is cut to this many tokens
-    "max_attempts": (2, ">= 1"),  # a task with feedback (arith_retry): answers a row may give
-    "task_options": ({}, None),  # rg: tasks: the dataset's config fields, "seed", "size" (of test) (extra_tasks.py)
+    "task_options": ({}, None),  # the task's options: its load's and environment's keywords, an rg: dataset's config
 }
 RANGES = {
     "group_size": ">= 2",
@@ -99,7 +96,8 @@ RANGES = {
     "top_entropy_quantile": "(0, 1]",
     "seed": "[0, 9e18]",
 }  # any other number: >= 0
-args, ckpt, given = run.parse(p, RANGES, CONSTANTS)  # given: what a config file or a flag set
+# the fields of grpo.Objective and rollout.Sampler that are no flag are config keys too: a fork's option is one field
+args, ckpt, given = run.parse(p, RANGES, CONSTANTS, knobs=(grpo.Objective, rollout.Sampler))  # given: what was set
 run.exit_on_interrupt(partial(run.last_checkpoint, args.out_dir, args.steps))  # Ctrl-C / SIGTERM: one line
 
 # --- setup: processes, the checks that need more than one flag, device and dtype, the out dir
@@ -108,15 +106,13 @@ rank, world = (int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])) if ddp el
 master = rank == 0
 G = args.group_size
 local_prompts = args.prompts_per_step // world
-task = TASKS.get(args.task)
-if task is None:  # the other tasks, imported only when named
-    import extra_tasks
-
-    try:
-        task = extra_tasks.get(args.task, args.task_options)
-    except ValueError as e:
-        p.error(str(e))
 N = local_prompts * G  # completions per rank per step
+try:  # the task, its options, the objective and the sampler: each a one-line error before anything loads
+    task = tasks.get(args.task, args.task_options)
+    obj = grpo.Objective(**{f.name: getattr(args, f.name) for f in dataclasses.fields(grpo.Objective)})
+    sampler = rollout.Sampler(**{f.name: getattr(args, f.name) for f in dataclasses.fields(rollout.Sampler)})
+except ValueError as e:
+    p.error(str(e))
 for bad, why in [  # one line each, before anything loads
     (args.prompts_per_step % world, f"--prompts-per-step must be a multiple of the {world} processes"),
     (N % args.micro_batch, f"--micro-batch {args.micro_batch} must divide the {N} completions per rank per step"),
@@ -125,8 +121,8 @@ for bad, why in [  # one line each, before anything loads
         f"--overlong-buffer {args.overlong_buffer} must be <= --max-new-tokens {args.max_new_tokens}",
     ),
     (
-        args.supervision == "process" and (not task.step_rewards or task.tools),
-        f"--supervision process needs per-step rewards and no tools; task {args.task} does not fit",
+        args.supervision == "process" and (not task.step_rewards or task.env),
+        f"--supervision process needs per-step rewards and no environment; task {args.task} does not fit",
     ),
     (args.fsdp and not ddp, "--fsdp shards over torchrun's processes: torchrun --nproc_per_node N train.py --fsdp"),
     (
@@ -143,16 +139,23 @@ for bad, why in [  # one line each, before anything loads
 ]:
     if bad:
         p.error(why)
-notes = run.idle(args, given, task.tools is not None)  # what was set but changes nothing in this run
-reward_fns, weights = dict(task.reward_fns), dict(task.reward_weights)
+notes = []  # a value that was set but changes nothing in this combination: a note line each
+for names, why in [
+    ("kl_estimator ref_device ref_sync_every", args.beta == 0 and "--beta 0: no reference"),
+    ("cispo_cap", obj.surrogate != "cispo" and "not --loss-type cispo"),
+    ("sapo_temperature_pos sapo_temperature_neg", obj.surrogate != "sapo" and "not --loss-type sapo"),
+    ("is_cap", obj.is_mode == "none" and "--is-mode none"),
+    ("eval_every", args.eval_n == 0 and "--eval-n 0"),
+    ("max_resample", not args.dynamic_sampling and "no --dynamic-sampling"),
+]:
+    notes += [f"note: {name} has no effect in this run ({why})" for name in sorted(given & set(names.split())) if why]
+reward_fns = {**REWARDS, **task.reward_fns}  # any reward, for any task: --reward-weights name=w switches it on
 if args.overlong_buffer:  # DAPO eq. 13 beside the task's rewards (weight 1 unless --reward-weights says)
-    reward_fns["overlong"], weights["overlong"] = overlong_reward(args.max_new_tokens, args.overlong_buffer), 1.0
+    reward_fns["overlong"] = overlong_reward(args.max_new_tokens, args.overlong_buffer)
 try:
-    obj = grpo.Objective(
-        **{f.name: getattr(args, f.name) for f in dataclasses.fields(grpo.Objective) if f.name != "max_len"},
-        max_len=args.max_new_tokens,
-    )
-    weights.update(parse_weights(args.reward_weights, reward_fns))
+    weights = {**task.reward_weights, "overlong": 1.0} if args.overlong_buffer else dict(task.reward_weights)
+    weights.update(parse_weights(args.reward_weights, reward_fns))  # weight 0: computed and logged only
+    reward_fns = {name: reward_fns[name] for name in weights}
     device = resolve_device(args.device, int(os.environ["LOCAL_RANK"]) if ddp else None)
     ref_device = resolve_device(args.ref_device) if args.ref_device else device
     dtype, note = resolve_dtype(args.dtype, device)
@@ -160,6 +163,9 @@ try:
     tokenizer = load_tokenizer(args.model)  # the model, data and out dir are checked before anything is created
     train_set = task.load("train", data_dir=args.data_dir)
     test_set = task.load("test", data_dir=args.data_dir)[: args.eval_n] if master and args.eval_n else []
+    env = task.env(tokenizer) if task.env else None  # an envs.EnvDriver: an environment for each row
+    state = env.probe(train_set[0]) if env else {}  # a fresh environment's state: its keys are reward fields
+    check_fields(reward_fns, {*train_set[0], *rollout.ROW_FIELDS, *state})  # what each fn asks for, the task gives
 except ValueError as e:  # ModelError, DataError: what was named cannot be used
     p.error(str(e))
 if len(train_set) < args.prompts_per_step:
@@ -177,8 +183,6 @@ if ddp:
 if args.fsdp or args.lora_rank or ddp:
     import scale
 gathered = scale.gathered if args.fsdp else nullcontext  # --fsdp: sampling needs whole weights
-env_keys = {k: getattr(args, k) for k in ("max_reply_tokens", "max_attempts")}  # an envs.EnvDriver feeds replies
-env = task.tools(tokenizer, args.max_tool_calls, **env_keys) if task.tools else None
 torch.manual_seed(args.seed + rank)
 autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
 
@@ -221,28 +225,28 @@ optimizer = torch.optim.AdamW(
 )  # one kernel for all tensors
 
 
-def lr_factor(u):  # a linear warmup, then constant or a cosine decay to 10% of --lr at the last update
+def lr_factor(u):  # update u's factor on --lr: a linear warmup, then lr_schedule over the updates after it
     warm = min(1, (u + 1) / (args.warmup_steps + 1))
-    if args.lr_schedule == "constant":
-        return warm
     T = max(1, args.steps * args.mu - 1 - args.warmup_steps)  # updates after the warmup
-    return warm * (0.55 + 0.45 * math.cos(math.pi * min(1, max(0, u - args.warmup_steps) / T)))
+    return warm * LR_SCHEDULES[args.lr_schedule](min(1, max(0, u - args.warmup_steps) / T))
 
 
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 needs loss scaling
 saved_ref = ref if args.ref_sync_every else None  # the reference moves: checkpoints keep it
-start_step = run.restore(ckpt, args.out_dir, policy, optimizer, scheduler, scaler, saved_ref, rank) if ckpt else 0
+held = dict(policy=policy, optimizer=optimizer, scheduler=scheduler, scaler=scaler, ref=saved_ref)  # checkpointed
+start_step = run.restore(ckpt, args.out_dir, held, rank=rank) if ckpt else 0
 if master:  # run.json, the resolved flags: the marker that out_dir holds a run (--resume reads ckpt.pt's)
     print(f"prompt sharing off: {why}; the log-prob passes run whole rows" if why else "prompt sharing: on")
     run.write_json(os.path.join(args.out_dir, "run.json"), {**vars(args), "eps_high": obj.eps_high})
+names, reward_w = list(weights), torch.tensor(list(weights.values()))  # a Rollout's reward columns (N, K), (K,)
 
 
 # --- helpers
 def collect(step):
-    """This rank's batch -> (Rollout, examples, rewards (N,), keep (N,) bool, stats). A fixed shuffle per epoch and a
-    generator per prompt slot: a resumed run, or one over more processes, samples the same. --dynamic-sampling (DAPO
-    §3.2): max_resample rollouts of fresh prompts replace flat groups; a shortfall keeps some, with keep=False."""
+    """This rank's batch -> (Rollout with its examples and rewards (N, K), keep (N,) bool, stats). A fixed shuffle per
+    epoch, a generator per prompt slot: a resumed run, or one over more processes, samples the same. --dynamic-sampling
+    (DAPO §3.2): max_resample rollouts of fresh prompts replace flat groups; a shortfall keeps some, keep=False."""
     epoch, k = divmod(step, len(train_set) // args.prompts_per_step)
     parts = []
     for attempt in range(1 + args.max_resample * args.dynamic_sampling):
@@ -252,43 +256,39 @@ def collect(step):
         slots = range(first, first + local_prompts)
         exs = [train_set[order[i]] for i in slots]
         gens = [torch.Generator().manual_seed(run.seed_of(args.seed, step, attempt, i)) for i in slots]
-        prompts = [task.prompt(e) for e in exs]
         with gathered(policy):
             r = rollout.sample(
                 policy,
                 tokenizer,
-                prompts,
+                [task.prompt(e) for e in exs],
                 G,
-                args.max_new_tokens,
-                stops,
-                args.temperature,
-                gens,
-                dtype,
-                max_prompt,
-                env,
-                exs,
+                max_new_tokens=args.max_new_tokens,
+                stop_ids=stops,
+                sampler=sampler,
+                generator=gens,
+                dtype=dtype,
+                max_prompt_tokens=max_prompt,
+                env=env,
+                examples=exs,
             )
-        fields = {f: [e[f] for e in exs for _ in range(G)] for f in exs[0]}  # each example's fields, G times
-        fields["num_tokens"] = (r.completion_mask + r.env_mask.long()).sum(1).tolist()  # and each row's own
-        fields["trajectory"] = r.trajectories  # completions: the model's own words; this: the replies too
-        fields.update(r.state_fields)  # its environment's: tool_calls, tool_errors, attempts ...
-        try:
-            total, per_fn = combine_rewards(reward_fns, weights, r.completions, **fields)
+        try:  # the model's own words (completions) and each row's fields: its example's, its environment's, ...
+            values = combine_rewards(reward_fns, weights, r.completions, **r.reward_fields())[1]
         except RewardError as e:
             sys.exit(f"error: step {step + 1}: {e}")
-        parts.append((r, exs, torch.tensor(total), per_fn))
-        rewards = torch.cat([t for _, _, t, _ in parts])  # (attempts * N,) in sampling order
+        r.rewards = torch.tensor([values[k] for k in names]).T  # (N, K)
+        parts.append(r)
+        rewards = torch.cat([x.rewards for x in parts]) @ reward_w  # (attempts * N,) in sampling order
         if grpo.informative_groups(rewards, G).sum() >= local_prompts:
             break
-    stats = {f"reward/{f}": torch.tensor([v for *_, fn in parts for v in fn[f]]).mean() for f in per_fn}
+    r = rollout.concat(parts)
+    stats = {f"reward/{k}": r.rewards[:, i].mean() for i, k in enumerate(names)}
     if not args.dynamic_sampling:
-        return r, exs, rewards, torch.ones(N, dtype=torch.bool), stats
+        return r, torch.ones(N, dtype=torch.bool), stats
     groups = grpo.pick_groups(rewards, G, local_prompts)  # (local_prompts,) of all attempts' groups
     rows = (groups[:, None] * G + torch.arange(G)).flatten()  # (N,)
-    exs = [e for _, x, _, _ in parts for e in x]
     keep = grpo.informative_groups(rewards, G)[groups].repeat_interleave(G)  # (N,)
     stats.update(reward_sampled=rewards.mean(), kept_groups=keep.sum() / G, extra_rollouts=torch.tensor(len(parts) - 1))
-    return rollout.concat([x[0] for x in parts])[rows], [exs[i] for i in groups.tolist()], rewards[rows], keep, stats
+    return r[rows], keep, stats
 
 
 def update(losses, step):
@@ -318,7 +318,9 @@ def update(losses, step):
 def run_eval(step):
     with gathered(policy):  # --fsdp: every rank gathers the weights, rank 0 evaluates
         if master and test_set:
-            summary, _ = evaluate(policy, tokenizer, task, test_set, args.max_new_tokens, dtype=dtype, env=env)
+            summary, _ = tasks.evaluate(
+                policy, tokenizer, task, test_set, max_new_tokens=args.max_new_tokens, dtype=dtype, env=env
+            )
             tqdm.write(f"eval step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in summary.items()))
             log.write({"step": step, **{f"eval/{k}": v for k, v in summary.items()}})
 
@@ -332,9 +334,9 @@ if start_step == 0 and args.eval_every:
     run_eval(0)
 for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not master):
     t0 = time.time()
-    r, examples, rewards, keep, row = collect(step)  # 1. G completions per prompt and their rewards
+    r, keep, row = collect(step)  # 1. G completions per prompt, their examples and rewards (N, K)
     t1 = time.time()
-    rewards, keep = rewards.to(device), keep.to(device)  # (N,) each
+    rewards, keep = (r.rewards @ reward_w).to(device), keep.to(device)  # (N,) each: the weighted sum, which rows train
     lengths = r.completion_mask.sum(1)  # (N,) the model's own tokens
     C = r.sample_logp.shape[1]
     # 2. advantages: groups never span ranks, but the "batch" scale needs every rank's rewards
@@ -344,9 +346,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     if args.supervision == "process":  # per-token advantages (N, C) from the task's step rewards (§4.1.3)
         import extra_tasks  # the steps' token positions: imported only when asked
 
-        ends, values, smask = extra_tasks.step_positions(
-            task.step_rewards, tokenizer, r.completion_ids, lengths - (~r.truncated).long(), r.completions, examples, G
-        )
+        ends, values, smask = extra_tasks.step_positions(task.step_rewards, tokenizer, r)
         adv = grpo.process_advantages(values, ends, smask, G, C).to(device)
         row["reward/step"] = values[smask].mean()
     loss_mask = r.completion_mask * keep[:, None] * (~r.truncated[:, None] if args.mask_truncated else 1)  # (N, C)
@@ -355,10 +355,12 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     ref_out = None  # 3. the reference's log-probs (N, C) on its device (full KL: its hidden states, per micro-batch)
     if ref is not None:
         with ref_off():
-            ref_out = rollout.batch_logprobs(ref, r, args.micro_batch, args.temperature, share, rdt, hidden=full_kl)
+            ref_out = rollout.batch_logprobs(
+                ref, r, args.micro_batch, sampler=sampler, share=share, dtype=rdt, hidden=full_kl
+            )
     old_logp = None  # the old policy's: the ratio's denominator when the batch is reused
     if args.mu > 1:
-        old_logp = rollout.batch_logprobs(policy, r, args.micro_batch, args.temperature, share, dtype)
+        old_logp = rollout.batch_logprobs(policy, r, args.micro_batch, sampler=sampler, share=share, dtype=dtype)
     t2 = time.time()
     # 4. mu optimizer steps on this batch, each accumulating gradients over micro-batches
     stats = {}
@@ -370,32 +372,26 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
                 kl_ref = (ref.get_output_embeddings(), ref_out[j]) if full_kl else None  # the full KL's reference
                 with autocast:  # entropy is always logged; it enters the loss only through --entropy-* flags
                     logp, entropy, kl = rollout.token_logprobs(
-                        policy, ids, mask, c, args.temperature, True, kl_ref, share
+                        policy, ids, mask, c, sampler=sampler, with_entropy=True, ref=kl_ref, share=share
                     )
-                m = loss_mask[rows, :c]
                 old = None if old_logp is None else old_logp[rows, :c]
                 ref_logp = None if ref is None or full_kl else ref_out[rows, :c]
-                # the sampler's numerics differ from the trainer's: reweight the policy term (truncated IS)
-                w, w_stats = grpo.behaviour_weights(
-                    logp.detach() if old is None else old, r.sample_logp[rows, :c], m, args.is_mode, args.is_cap
-                )
-                loss, metrics = grpo.grpo_loss(
+                loss, metrics = grpo.grpo_loss(  # the policy term reweighted by pi_train / pi_sample (--is-mode)
                     logp,
                     old,
                     ref_logp,
                     adv[rows, :c].expand(-1, c),
-                    m,
+                    loss_mask[rows, :c],
                     obj,
                     entropy=entropy,
                     kl=kl,
-                    behaviour_weights=w,
+                    sample_logp=r.sample_logp[rows, :c],
                     num_sequences=num_sequences,
                     num_tokens=num_tokens,
                 )
                 scaler.scale(loss).backward()
                 if it == 0:
                     first_logp[rows, :c] = logp.detach()
-                    metrics["is_capped"] = w_stats["is_capped"]
                 for k, v in {**metrics, "loss": loss.detach()}.items():
                     stats.setdefault(k, []).append(v.float())
         grad_norm, lr = update(stats["loss"][-(N // args.micro_batch) :], step)
@@ -423,10 +419,9 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
         skipped=float(skip),
         gen_tok_s=lengths.sum().float() * world / (t1 - t0),
     )
-    if env is not None:  # per row: tool calls, the ones that got an error, tokens of the replies, the model's turns
+    if env is not None:  # per row: its environment's state (env/tool_calls, env/attempts ...), the replies read
+        row.update({f"env/{k}": torch.tensor([s[k] for s in r.env_state]).float().mean() for k in r.env_state[0]})
         row.update(
-            tool_calls=r.tool_calls.float().mean(),
-            tool_errors=r.tool_errors.float().mean(),
             env_tokens=r.env_mask.sum(1).float().mean(),
             turns=1 + (r.env_mask[:, 1:] & ~r.env_mask[:, :-1]).sum(1).float().mean(),  # 1 + its replies
         )
@@ -442,13 +437,11 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
             f"len {row['completion_len']:.0f} gen {t1 - t0:.1f}s ref {t2 - t1:.1f}s train {t3 - t2:.1f}s"
         )
         if args.log_completions and (step + 1) % args.log_completions == 0:
-            tqdm.write(f"--- reward {rewards[0]:.2f}, gold {examples[0]['answer']}:\n{r.completions[0]}\n---")
+            tqdm.write(f"--- reward {rewards[0]:.2f}, gold {r.examples[0]['answer']}:\n{r.completions[0]}\n---")
     if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
         run_eval(step + 1)
     if args.save_every and ((step + 1) % args.save_every == 0 or step + 1 == args.steps):
-        save_failed = run.save_run(
-            args.out_dir, step + 1, vars(args), policy, optimizer, scheduler, scaler, saved_ref, rank, world
-        )
+        save_failed = run.save_run(args.out_dir, step + 1, vars(args), held, rank=rank, world=world)
         if save_failed:
             tqdm.write(f"warning: step {step + 1}: {save_failed}")
 
@@ -459,7 +452,7 @@ if master and args.export != "none":  # last: a LoRA policy is merged into its b
     from eval import export_hf
 
     hf_dir = os.path.join(args.out_dir, "hf")
-    export_failed = export_hf(policy, tokenizer, hf_dir, dtype, args.export == "adapter", state)
+    export_failed = export_hf(policy, tokenizer, hf_dir, dtype, adapter=args.export == "adapter", state_dict=state)
     print(f"warning: {export_failed}" if export_failed else f"exported ({args.export}) to {args.out_dir}/hf")
 if master:
     log.close()

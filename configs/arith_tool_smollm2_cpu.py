@@ -7,7 +7,7 @@ group_size = 8
 prompts_per_step = 2
 micro_batch = 16
 max_new_tokens = 64  # a call, the tool's reply (~15 tokens, no loss on them) and the #### line
-max_tool_calls = 2
+task_options = {"max_tool_calls": 2}  # extra_tasks.calculator's options
 lr = 2e-5
 warmup_steps = 5
 lr_schedule = "cosine"
@@ -18,6 +18,6 @@ eval_n = 200
 save_every = 20
 log_completions = 10
 out_dir = "out/arith_tool_smollm2_cpu"
-# the signal to start from: the prompt shows one worked call as earlier chat turns (tasks.tool_prompt), and a call
-# that ran earns 0.2 (tasks.tool_reward) beside the right `#### N` (1.0) and the format (0.1): without it the format
+# the signal to start from: the prompt shows one worked call as earlier chat turns (extra_tasks.tool_prompt), and a call
+# that ran earns 0.2 (rewards.tool_reward) beside the right `#### N` (1.0) and the format (0.1): without it the format
 # alone is learnt first and the calls die out (BENCHMARKS.md)

@@ -9,8 +9,7 @@ group_size = 16
 prompts_per_step = 32
 micro_batch = 32
 max_new_tokens = 512  # the model's tokens and the tool replies (<= 500 characters each) together
-max_tool_calls = 2
-max_reply_tokens = 160  # a program's output is shown up to 400 characters
+task_options = {"max_tool_calls": 2, "max_reply_tokens": 160}  # a program's output is shown up to 400 characters
 temperature = 1.0
 lr = 1e-6
 warmup_steps = 10

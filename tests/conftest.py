@@ -2,6 +2,9 @@
 and the real offline SmolLM2-135M for the few tests marked `real_model`."""
 
 import importlib.util
+import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -137,6 +140,30 @@ def real_model():
     tok = models.load_tokenizer("smollm2-135m")
     model = models.load_model("smollm2-135m", torch.device("cpu"), torch.float32, trainable=False)
     return model, tok
+
+
+REPO = Path(__file__).resolve().parent.parent
+FULL = Path(os.environ.get("GSM8K_DIR") or REPO.parent / "shared" / "data" / "gsm8k")  # the canonical files, if here
+FULL_COUNTS = {"train": 7473, "test": 1319}
+# 5 train and 5 test lines, the first of each file, of openai/grade-school-math (MIT License, Copyright (c) 2021
+# OpenAI; https://github.com/openai/grade-school-math), each with its split added: no network in tests
+SAMPLE = REPO / "tests" / "gsm8k_sample.jsonl"
+
+
+@pytest.fixture
+def gsm8k_dir(tmp_path):
+    """(a GSM8K dir, {split: its number of examples}): the canonical files if kept beside the repo, else train.jsonl
+    and test.jsonl written from tests/gsm8k_sample.jsonl, so these tests run on a fresh clone too."""
+    if all((FULL / f"{split}.jsonl").is_file() for split in FULL_COUNTS):
+        return FULL, FULL_COUNTS
+    lines = {"train": [], "test": []}
+    for line in SAMPLE.read_text(encoding="utf-8").splitlines():
+        row = json.loads(line)
+        lines[row.pop("split")].append(json.dumps(row) + "\n")  # the file's own line, byte for byte
+    (tmp_path / "gsm8k").mkdir()
+    for split, rows in lines.items():
+        (tmp_path / "gsm8k" / f"{split}.jsonl").write_text("".join(rows), encoding="utf-8")
+    return tmp_path / "gsm8k", {split: len(rows) for split, rows in lines.items()}
 
 
 @pytest.fixture(scope="session")

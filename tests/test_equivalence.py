@@ -102,8 +102,12 @@ def test_training_path_matches_naive(micro, share):
     total, N = 0.0, r.prompt_ids.size(0)
     for rows, ids, mask, c in micro_batches(r, micro):
         with torch.no_grad():
-            ref_logp = rollout.token_logprobs(ref, ids, mask, c, temp, share=share)[0]
-        logp, _, _ = rollout.token_logprobs(policy, ids, mask, c, temp, share=share)
+            ref_logp = rollout.token_logprobs(
+                ref, ids, mask, c, sampler=rollout.Sampler(temperature=temp), share=share
+            )[0]
+        logp, _, _ = rollout.token_logprobs(
+            policy, ids, mask, c, sampler=rollout.Sampler(temperature=temp), share=share
+        )
         loss, _ = grpo.grpo_loss(logp, None, ref_logp, adv[rows], r.completion_mask[rows, :c], obj, num_sequences=N)
         loss.backward()
         total += loss.item()

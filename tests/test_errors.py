@@ -182,8 +182,11 @@ def test_config_value_of_the_wrong_type_is_refused(model_dir, tmp_path, capsys, 
 CONFIG_ONLY = [
     ("is_cap", 0, ["is_cap", "0"]),
     ("is_cap", "high", ["is_cap", "high"]),
-    ("max_tool_calls", 0, ["max_tool_calls", "0"]),
+    ("task_options", {"no_such_option": 1}, ["task_options", "no_such_option", "toy"]),  # the task takes none
+    ("task_options", [1], ["task_options", "dict"]),
     ("cispo_cap", 0.5, ["cispo_cap", "0.5"]),
+    ("aggregation", "no-such-aggregation", ["aggregation", "no-such-aggregation", "dapo"]),
+    ("sapo_temperature_neg", 0, ["sapo_temperature", "> 0"]),
     ("warmup_steps", -1, ["warmup_steps", "-1"]),
     ("weight_decay", -0.1, ["weight_decay", "-0.1"]),
     ("grad_clip", None, ["grad_clip", "None"]),
@@ -193,11 +196,11 @@ CONFIG_ONLY = [
     ("save_every", -1, ["save_every", "-1"]),
     ("save_every", True, ["save_every", "True"]),
     ("log_completions", 0.5, ["log_completions", "0.5"]),
-    ("lr_schedule", "linear", ["lr_schedule", "linear", "cosine"]),  # the choices are what to do
+    ("lr_schedule", "no-such-schedule", ["lr_schedule", "no-such-schedule", "cosine"]),  # the choices: what to do
     ("export", "zip", ["export", "zip", "adapter"]),
     ("export", "adapter", ["adapter", "--lora-rank"]),  # an adapter needs adapters
     ("lr_scheule", "cosine", ["lr_scheule"]),  # a typo: unknown key
-    ("top_k", 5, ["top_k"]),  # no such key
+    ("no_such_key", 5, ["no_such_key"]),  # no such key
 ]
 
 
@@ -268,7 +271,7 @@ def test_resume_named_in_a_config_file_is_honoured(model_dir, tmp_path):
 @pytest.mark.parametrize("item", ["even=abc", "even=nan", "even=inf", "nope=1", "even"])
 def test_bad_reward_weight_is_one_line(model_dir, tmp_path, capsys, no_model_load, item):
     code, line = script_error(TRAIN, train_args(model_dir, str(tmp_path), "--reward-weights", item), capsys)
-    assert_one_line(code, line, 2, f"--reward-weights: '{item}' is not name=number with name in ['even', 'first']")
+    assert_one_line(code, line, 2, "--reward-weights", f"'{item}'", "'even'", "'first'")  # the item, what to pass
 
 
 def failing_on_step_2(kind):
@@ -407,7 +410,7 @@ def test_bad_model_is_one_line(model_dir, tmp_path, capsys, monkeypatch, make, e
 @pytest.mark.parametrize(
     "extra, fragments",
     [
-        (["--supervision", "process"], ["--supervision process needs per-step rewards and no tools; task toy"]),
+        (["--supervision", "process"], ["--supervision process", "per-step rewards", "task toy"]),
         (["--overlong-buffer", 13], ["--overlong-buffer", "<= --max-new-tokens 12"]),
     ],
     ids=["process-without-step-rewards", "overlong-buffer>max-new"],
@@ -566,6 +569,19 @@ def test_resume_with_another_model_task_or_lora_rank_is_refused(model_dir, tmp_p
     assert files(out) == before
 
 
+def test_resume_with_other_task_options_is_refused(model_dir, tmp_path, capsys):
+    """A run of 1-digit sums resumed on 2-digit ones would mix two runs. Fails if run.IDENTITY drops task_options (the
+    resume goes on with other data) or the line names neither value; the run's files stay as they were."""
+    out = str(tmp_path / "run")
+    argv = train_args(model_dir, out, "--config", "task_options={'digits': 1}", steps=1)
+    argv[argv.index("toy")] = "arith"
+    run_script(TRAIN, argv)
+    before = files(out)
+    code, line = script_error(TRAIN, ["--resume", out, "--steps", 2, "--config", "task_options={'digits': 2}"], capsys)
+    assert_one_line(code, line, 2, "task_options", "'digits': 1", "'digits': 2")
+    assert files(out) == before
+
+
 @pytest.mark.parametrize("steps", [None, 1, 2], ids=["the-checkpoint's", "1", "2"])
 def test_resume_to_a_step_already_reached_is_refused(model_dir, tmp_path, capsys, steps):
     out = str(tmp_path / "run")
@@ -585,6 +601,23 @@ def test_resume_with_overwrite_is_refused(model_dir, tmp_path, capsys, monkeypat
     code, line = script_error(TRAIN, ["--resume", out, "--overwrite", "--steps", 2], capsys)
     assert_one_line(code, line, 2, "--resume", "--overwrite")
     assert files(out) == before
+
+
+def test_resume_of_a_run_whose_metrics_file_is_a_directory_is_one_line(model_dir, tmp_path, capsys):
+    """Fails if --resume reads or appends to a metrics.jsonl that is a directory (defect 8 of issue 42: an
+    IsADirectoryError traceback) instead of refusing in one line that names it, or touches that directory or the
+    checkpoint."""
+    out = str(tmp_path / "run")
+    run_script(TRAIN, train_args(model_dir, out, steps=1))
+    metrics = os.path.join(out, "metrics.jsonl")
+    os.remove(metrics)
+    os.mkdir(metrics)
+    with open(os.path.join(metrics, "notes.txt"), "w") as f:
+        f.write("a user's notes")
+    before = files(out)
+    code, line = script_error(TRAIN, ["--resume", out, "--steps", 2], capsys)
+    assert_one_line(code, line, 2, metrics, "not a file")
+    assert files(out) == before and os.path.isdir(metrics) and ckpt_step(out) == 1
 
 
 @pytest.mark.parametrize("damage", ["torn", "blank"])

@@ -17,6 +17,7 @@ from toy import EVAL, TRAIN, run_script, train_args  # noqa: E402
 
 import tasks  # noqa: E402
 from eval import evaluate, load_checkpoint_model, pass_at_k  # noqa: E402
+from rollout import Sampler  # noqa: E402
 
 CPU = torch.device("cpu")
 
@@ -55,7 +56,16 @@ def test_sampled_pass_at_n_is_any_correct():
     model, tok, task = toy.make_model(), toy.make_tokenizer(), toy.TASK
     examples = task.load("test")[:8]
     summary, records = evaluate(
-        model, tok, task, examples, max_new_tokens=6, batch_size=8, n=4, temperature=1.0, seed=1, progress=False
+        model,
+        tok,
+        task,
+        examples,
+        max_new_tokens=6,
+        batch_size=8,
+        n=4,
+        sampler=Sampler(temperature=1.0),
+        seed=1,
+        progress=False,
     )
     assert all(len(r["completions"]) == 4 and r["completion"] == r["completions"][0] for r in records)
     strict = [[task.score(c, ex)["strict"] for c in r["completions"]] for r, ex in zip(records, examples)]
@@ -65,7 +75,16 @@ def test_sampled_pass_at_n_is_any_correct():
     assert summary["pass@2"] == pytest.approx(mean([float(brute_pass_at_k(s, 2)) for s in strict]))
     assert summary["strict_acc"] < summary["pass@4"]  # some question is solved by some sample, not all
     again, _ = evaluate(
-        model, tok, task, examples, max_new_tokens=6, batch_size=8, n=4, temperature=1.0, seed=1, progress=False
+        model,
+        tok,
+        task,
+        examples,
+        max_new_tokens=6,
+        batch_size=8,
+        n=4,
+        sampler=Sampler(temperature=1.0),
+        seed=1,
+        progress=False,
     )
     assert again == summary  # seeded
 
@@ -90,20 +109,8 @@ def test_pass_at_k_is_the_fraction_of_k_subsets_with_a_correct_sample():
 def stub_sample(correct, calls):
     """rollout.sample for toy prompts: example q's first correct[q] of n completions are right (toy.score)."""
 
-    def sample(
-        model,
-        tokenizer,
-        prompts,
-        n,
-        max_new_tokens,
-        stops,
-        temperature=1.0,
-        generator=None,
-        dtype=None,
-        env=None,
-        examples=None,
-    ):
-        calls.append((len(prompts), n, temperature))
+    def sample(model, tokenizer, prompts, n, *, max_new_tokens, stop_ids, sampler, generator, dtype, env, examples):
+        calls.append((len(prompts), n, sampler.temperature))
         outs = []
         for msgs in prompts:
             q = msgs[-1]["content"]
@@ -133,7 +140,7 @@ def test_evaluate_reports_pass_at_k_for_powers_of_two_and_n(monkeypatch, n, coun
         examples,
         n=n,
         batch_size=2 * n,
-        temperature=0.7,
+        sampler=Sampler(temperature=0.7),
         progress=False,
     )
     assert calls == [(2, n, 0.7), (2, n, 0.7), (1, n, 0.7)]  # batch_size counts completions: 2 prompts a call
@@ -225,3 +232,18 @@ def test_cli_bad_ckpt_is_a_one_line_error(tmp_path, capsys, what, message):
     assert e.value.code == 2 and "Traceback" not in err  # a usage error: argparse's one line
     assert "eval.py: error: " in err.strip().splitlines()[-1] and message in err.strip().splitlines()[-1], err
     assert not list(tmp_path.glob("*.tmp"))  # the output probe does not stay behind
+
+
+@pytest.mark.parametrize("n, note", [(64, True), (4, False)])
+def test_cli_notes_when_a_questions_samples_outnumber_the_batch(model_dir, tmp_path, capsys, n, note):
+    """eval.py --n N --batch-size 4 decodes each question's N samples together, so a batch is N rows, not 4. Fails if
+    the note that says so (naming --n and --batch-size with their values) is missing for N = 64, or printed where N
+    fits the batch (N = 4)."""
+    out = tmp_path / "preds.jsonl"
+    argv = ["--task", "toy", "--model", model_dir, "--limit", 1, "--max-new-tokens", 2, "--n", n, "--batch-size", 4]
+    run_script(EVAL, argv + ["--device", "cpu", "--dtype", "float32", "--out", out])
+    notes = [x for x in capsys.readouterr().out.splitlines() if x.startswith("note:") and "--batch-size" in x]
+    assert len(notes) == note, notes
+    if note:
+        assert "--n 64" in notes[0] and "--batch-size 4" in notes[0] and "64 samples decode together" in notes[0]
+    assert len(json.loads(out.read_text())["completions"]) == n  # the evaluation ran, with all its samples

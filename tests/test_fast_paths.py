@@ -135,7 +135,9 @@ def train_pass(model, once, steps=2):
         with rollout.cast_once(torch.device("cpu")) if once else torch.enable_grad():
             for ids, mask in mbs:
                 with torch.autocast("cpu", dtype=torch.bfloat16):
-                    logp, ent, _ = rollout.token_logprobs(model, ids, mask, C, 0.7, True, None, True)
+                    logp, ent, _ = rollout.token_logprobs(
+                        model, ids, mask, C, sampler=rollout.Sampler(0.7), with_entropy=True, share=True
+                    )
                 casts.append(cast_nodes(logp.grad_fn, params))
                 ((logp * torch.linspace(-1, 1, C)).sum() + 0.1 * ent.sum()).backward()
                 out.append(logp.detach())

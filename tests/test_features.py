@@ -304,8 +304,8 @@ def scripted_sampler(tok, real_sample, record):
     """rollout.sample with the completions written here: the prompts as sampled, then the scripted lines
     tokenized piece by piece, so each line's last token index is known without tasks.step_positions."""
 
-    def sample(model, tokenizer, prompts, group_size, max_new_tokens, stop_ids, *a, **k):
-        base = real_sample(model, tokenizer, prompts, group_size, 1, stop_ids, *a, **k)
+    def sample(model, tokenizer, prompts, group_size, *, max_new_tokens, stop_ids, **k):
+        base = real_sample(model, tokenizer, prompts, group_size, max_new_tokens=1, stop_ids=stop_ids, **k)
         rows, ends, golds = [], [], []
         for p, messages in enumerate(prompts):
             gold = str(eval(messages[-1]["content"][len("What is ") : -1]))  # Python's precedence is the task's
@@ -332,7 +332,7 @@ def scripted_sampler(tok, real_sample, record):
             torch.zeros(len(rows), C),
             base.prompt_cut,
             torch.zeros(len(rows), C, dtype=torch.bool),
-            *torch.zeros(2, len(rows), dtype=torch.long),
+            examples=base.examples,
         )
         with torch.no_grad():  # the sampling log-probs are the policy's own: no behaviour correction
             r.sample_logp = rollout.token_logprobs(model, r.input_ids, r.attention_mask, C)[0]
@@ -450,7 +450,7 @@ def test_bfloat16_gap_metrics_and_weights_are_the_recomputed_ones(model_dir, tmp
         monkeypatch,
         grpo,
         "grpo_loss",
-        lambda a, k, out: losses.append((a[0].detach().clone(), a[4].clone(), k["behaviour_weights"].clone())),
+        lambda a, k, out: losses.append((a[0].detach().clone(), a[4].clone(), k["sample_logp"].clone(), out[1])),
     )
     run_script(TRAIN, train_args(model_dir, str(tmp_path), "--dtype", "bfloat16", "--config", "is_cap=1.0", steps=2))
     rows = read_metrics(str(tmp_path))
@@ -458,11 +458,12 @@ def test_bfloat16_gap_metrics_and_weights_are_the_recomputed_ones(model_dir, tmp
     for s, (row, r) in enumerate(zip(rows, sampled)):
         calls = losses[s * per_step : (s + 1) * per_step]
         d, capped = [], []
-        for j, (logp, mask, w) in enumerate(calls):
+        for j, (logp, mask, given, metrics) in enumerate(calls):
             c = logp.size(1)
             sample_logp = r.sample_logp[j * MICRO : (j + 1) * MICRO, :c]
+            assert torch.equal(given, sample_logp)  # the loss reweights against this micro-batch's sampled log-probs
             ratio, m = (logp - sample_logp).exp(), mask.bool()  # fp32 as the loop: exp(1e-9) is 1, not > 1
-            assert torch.equal(w[m], ratio.clamp(max=1.0)[m]) and (w[~m] == 1).all()
+            assert metrics["is_capped"].item() == pytest.approx((ratio[m] > 1.0).double().mean().item(), abs=1e-6)
             d += (logp.double() - sample_logp.double()).abs()[m].tolist()
             capped.append((ratio[m] > 1.0).double().mean().item())
         d = np.array(d)
@@ -479,8 +480,8 @@ def test_is_mode_none_trains_with_weights_one(model_dir, tmp_path, monkeypatch):
     calls = []
 
     def check(a, k, out):
-        assert (k["behaviour_weights"] == 1).all()
-        again, _ = real(*a, **{**k, "behaviour_weights": None})
+        assert a[5].is_mode == "none" and k["sample_logp"] is not None
+        again, _ = real(*a, **{**k, "sample_logp": None})
         assert torch.equal(out[0], again)  # the loss of plain GRPO, no reweighting
         calls.append(1)
 

@@ -28,7 +28,7 @@ from grpo import (
 )
 
 F64 = dict(dtype=torch.float64)
-CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")  # the clip of eq. 3; cispo, sapo: tests/test_objectives.py
+CLIPPED = [k for k, (surrogate, _) in LOSS_TYPES.items() if surrogate == "clip"]  # cispo, sapo: test_objectives.py
 
 
 def _batch(lengths=(7, 3, 5, 1, 6, 2), T=7, seed=0):
@@ -302,8 +302,9 @@ def test_behaviour_weights_multiply_the_policy_term_only():
     r, A = (logp - old).exp()[mask], adv[:, None].expand_as(logp)[mask]  # (valid tokens,)
     assert ((r > 1.2) & (A > 0)).any() and ((r < 0.8) & (A < 0)).any(), "the batch must reach both clips"
     logp.requires_grad_()
-    w = (0.5 + torch.rand(logp.shape, generator=torch.Generator().manual_seed(1), **F64)).requires_grad_()
-    loss, _ = grpo_loss(logp, old, ref, adv, mask, K3, behaviour_weights=w)
+    w = 0.5 + torch.rand(logp.shape, generator=torch.Generator().manual_seed(1), **F64)  # below is_cap 2: not cut
+    sample = (old - w.log()).requires_grad_()  # pi_old (the trainer's, old_logp) / pi_sample = w
+    loss, _ = grpo_loss(logp, old, ref, adv, mask, K3, sample_logp=sample)
     # written out: (1/N) sum_i (1/|o_i|) sum_t [-min(r A, clip(r, 0.8, 1.2) A) w + 0.1 (e^x - x - 1)]
     want, lp = 0.0, logp.detach()
     for i in range(6):
@@ -314,10 +315,11 @@ def test_behaviour_weights_multiply_the_policy_term_only():
             row += -min(r * a, min(max(r, 0.8), 1.2) * a) * w[i, t].item() + 0.1 * (math.exp(x) - x - 1)
         want += row / L / 6
     assert loss.item() == pytest.approx(want, rel=1e-12)
-    g_logp, g_w = torch.autograd.grad(loss, (logp, w), allow_unused=True)
+    g_logp, g_w = torch.autograd.grad(loss, (logp, sample), allow_unused=True)
     assert g_w is None  # the weights are used detached
-    # weight 0 everywhere leaves exactly the KL term's gradient
-    zero, _ = grpo_loss(logp, old, ref, adv, mask, K3, behaviour_weights=torch.zeros_like(w))
+    # weight 0 everywhere (token_mask: every ratio e^10 above the cap) leaves exactly the KL term's gradient
+    masked = dataclasses.replace(K3, is_mode="token_mask")
+    zero, _ = grpo_loss(logp, old, ref, adv, mask, masked, sample_logp=old - 10)
     kl_only, _ = grpo_loss(logp, old, ref, torch.zeros_like(adv), mask, K3)
     torch.testing.assert_close(torch.autograd.grad(zero, logp)[0], torch.autograd.grad(kl_only, logp)[0])
 
@@ -349,9 +351,9 @@ def test_clip_gradient_zero_exactly_where_the_clipped_branch_is_active():
 def test_delta_caps_ratio_for_negative_advantages():
     ratio = torch.tensor([[10.0, 3.0, 10.0]], **F64, requires_grad=True)
     A = torch.tensor([[-1.0, -1.0, 1.0]], **F64)
-    capped = clipped_surrogate(ratio, A, 0.2, delta=4.0)
+    capped = clipped_surrogate(ratio, A, eps=0.2, delta=4.0)
     torch.testing.assert_close(capped, torch.tensor([[-4.0, -3.0, 1.2]], **F64))
-    torch.testing.assert_close(clipped_surrogate(ratio, A, 0.2), torch.tensor([[-10.0, -3.0, 1.2]], **F64))
+    torch.testing.assert_close(clipped_surrogate(ratio, A, eps=0.2), torch.tensor([[-10.0, -3.0, 1.2]], **F64))
     (grad,) = torch.autograd.grad(capped.sum(), ratio)
     torch.testing.assert_close(grad, torch.tensor([[0.0, -1.0, 0.0]], **F64))  # no gradient above delta
 
@@ -372,7 +374,7 @@ def test_mu1_value_is_advantage_and_gradient_is_minus_A_times_weight(loss_type, 
     logp, _, _, adv, mask, _ = _batch()
     logp.requires_grad_()
     N, T = logp.shape
-    obj = Objective(beta=0, loss_type=loss_type, importance_level=level, max_len=10)
+    obj = Objective(beta=0, loss_type=loss_type, importance_level=level, max_new_tokens=10)
     loss, m = grpo_loss(logp, None, None, adv, mask, obj)
     lens = mask.sum(1, keepdim=True).double()  # (N, 1)
     n = mask.sum()
@@ -453,7 +455,7 @@ def test_aggregate_formulas_on_ragged_lengths(loss_type):
         "dr_grpo": sum(r.sum() for r in rows) / (3 * 8),
         "dapo": sum(r.sum() for r in rows) / 20,
     }[loss_type]
-    got = aggregate(x, mask, loss_type, max_len=8, num_tokens=20 if loss_type == "dapo" else None)
+    got = aggregate(x, mask, loss_type, max_new_tokens=8, num_tokens=20 if loss_type == "dapo" else None)
     torch.testing.assert_close(got, want)
 
 
@@ -469,7 +471,7 @@ def test_grpo_differs_from_bnpo_on_ragged_lengths_only():
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
 def test_two_micro_batches_accumulate_to_one_batch(loss_type):
     logp, old, ref, adv, mask, _ = _batch()
-    obj = Objective(beta=0.04, eps_high=0.28, loss_type=loss_type, max_len=7)
+    obj = Objective(beta=0.04, eps_high=0.28, loss_type=loss_type, max_new_tokens=7)
     full = logp.clone().requires_grad_()
     loss, _ = grpo_loss(full, old, ref, adv, mask, obj)
     loss.backward()
@@ -570,19 +572,21 @@ def test_full_kl_in_loss_matches_naive_formula():
     torch.testing.assert_close(m["kl_max"], kl_n[mask].max())
 
 
-def test_padding_garbage_in_full_kl_and_behaviour_weights_is_ignored():
+def test_padding_garbage_in_full_kl_and_the_sampler_logp_is_ignored():
+    """Fails if a NaN / inf at padding in a full KL or the sampler's log-probs reaches the loss, a gradient or a
+    metric (a where that multiplies instead of selecting)."""
     logp, old, _, adv, mask, _ = _batch()
     kl = torch.rand(logp.shape, generator=torch.Generator().manual_seed(2), **F64)
-    w = 0.5 + torch.rand(logp.shape, generator=torch.Generator().manual_seed(3), **F64)
+    sample = logp - 0.5 * torch.rand(logp.shape, generator=torch.Generator().manual_seed(3), **F64)
 
-    def run(kl, w):
+    def run(kl, sample):
         lp, kl = logp.clone().requires_grad_(), kl.clone().requires_grad_()
         obj = Objective(beta=0.1, kl_estimator="full")
-        loss, m = grpo_loss(lp, old, None, adv, mask, obj, kl=kl, behaviour_weights=w)
+        loss, m = grpo_loss(lp, old, None, adv, mask, obj, kl=kl, sample_logp=sample)
         return loss, torch.autograd.grad(loss, (lp, kl)), m
 
-    loss, grads, m = run(kl, w)
-    loss2, grads2, m2 = run(torch.where(mask, kl, math.nan), torch.where(mask, w, math.inf))
+    loss, grads, m = run(kl, sample)
+    loss2, grads2, m2 = run(torch.where(mask, kl, math.nan), torch.where(mask, sample, -math.inf))
     torch.testing.assert_close(loss2, loss)
     for g, g2 in zip(grads, grads2):
         torch.testing.assert_close(g2, g)
@@ -595,7 +599,7 @@ def test_top_entropy_quantile_applies_to_policy_term_only():
     logp.requires_grad_()
     loss, _ = grpo_loss(logp, old, ref, adv, mask, Objective(beta=0.1, top_entropy_quantile=0.3), entropy=ent)
     keep = top_entropy_mask(ent, mask, 0.3)
-    per_token = -clipped_surrogate((logp - old).exp(), adv[:, None]) * keep + 0.1 * kl_estimate(logp, ref)
+    per_token = -clipped_surrogate((logp - old).exp(), adv[:, None], eps=0.2) * keep + 0.1 * kl_estimate(logp, ref)
     torch.testing.assert_close(loss, aggregate(per_token, mask, "grpo"))
     (grad,) = torch.autograd.grad(loss, logp)
     assert (grad[mask & ~keep] != 0).all()  # the KL term still reaches dropped tokens
@@ -631,7 +635,7 @@ def test_grpo_loss_with_an_objective_equals_the_hand_computed_loss(loss_type, di
     logp = (old + torch.tensor([[1.5, 0.9], [0.5, 1.0]], **F64).log()).requires_grad_()
     ref = logp.detach() + torch.tensor([[0.0, math.log(2)], [0.0, 50.0]], **F64)  # 50: padding garbage
     mask = torch.tensor([[True, True], [True, False]])
-    obj = Objective(beta=0.1, kl_estimator="k3", loss_type=loss_type, eps_high=0.28, max_len=4)
+    obj = Objective(beta=0.1, kl_estimator="k3", loss_type=loss_type, eps_high=0.28, max_new_tokens=4)
     loss, m = grpo_loss(logp, old, ref, torch.tensor([1.0, -1.0], **F64), mask, obj)
     k = 1 - math.log(2)
     l00, l01, l10 = -1.28, -0.9 + 0.1 * k, 0.8
@@ -666,12 +670,12 @@ def test_docstring_examples():
 
 _x, _m, _adv = torch.zeros(2, 3), torch.ones(2, 3, dtype=torch.bool), torch.zeros(2)
 _NO_KL = Objective(beta=0)
-BAD = [
-    (lambda: group_advantages(torch.zeros(7), 4), r"group_size must be an int >= 2 that divides .* \(7\), got 4"),
+BAD = [  # the facts each message must carry: the argument or flag, the value where there is one
+    (lambda: group_advantages(torch.zeros(7), 4), r"group_size.*\(7\).*got 4"),
     (lambda: group_advantages(torch.zeros(4), 1), "group_size must be an int >= 2"),
     (lambda: group_advantages(torch.zeros(4), 2.0), "group_size must be an int >= 2"),
     (lambda: group_advantages(torch.zeros(4, 1), 2), "rewards must have shape"),
-    (lambda: group_advantages(torch.zeros(4), 2, scale="std"), r"scale must be one of \('group', 'batch', 'none'\)"),
+    (lambda: group_advantages(torch.zeros(4), 2, scale="no-such-scale"), "--scale-rewards 'no-such-scale'.*group"),
     (
         lambda: process_advantages(
             torch.zeros(3, 2), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2).bool(), 2, 4
@@ -682,15 +686,12 @@ BAD = [
         lambda: process_advantages(torch.zeros(2, 2), torch.tensor([[0, 4], [0, 1]]), _m[:, :2], 2, 4),
         r"step_ends must lie in \[0, seq_len=4\)",
     ),
-    (lambda: kl_estimate(_x, _x, "k4"), r"kl_estimator must be one of \('k1', 'k2', 'k3', 'k3_clamped', 'full'\)"),
-    (
-        lambda: aggregate(_x, _m, "sum"),
-        r"loss_type must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'\)",
-    ),
-    (lambda: aggregate(_x, _m, "dr_grpo", max_len=2), "max_len"),
+    (lambda: kl_estimate(_x, _x, "no-such-kl"), "--kl-estimator 'no-such-kl'.*k3"),
+    (lambda: aggregate(_x, _m, "no-such-aggregation"), "aggregation 'no-such-aggregation'.*grpo"),
+    (lambda: aggregate(_x, _m, "dr_grpo", max_new_tokens=2), "max_new_tokens"),
     (lambda: aggregate(_x, _m[:, :2], "grpo"), "mask must have shape"),
-    (lambda: importance_ratio(_x, _x, _m, "seq"), r"importance_level must be one of \('token', 'sequence'\)"),
-    (lambda: clipped_surrogate(_x, _x, 0.2, delta=1.1), "delta must be > 1 \\+ eps_high"),
+    (lambda: importance_ratio(_x, _x, _m, "no-such-level"), "--importance-level 'no-such-level'.*token"),
+    (lambda: clipped_surrogate(_x, _x, eps=0.2, delta=1.1), "delta must be > 1 \\+ eps_high"),
     (lambda: full_kl(torch.zeros(2, 3, 4), torch.zeros(2, 3, 5)), "ref_logits must have shape"),
     (lambda: top_entropy_mask(_x, _m, 0.0), r"top_entropy_quantile must be in \(0, 1\]"),
     (lambda: grpo_loss(_x, _x[:1], None, _adv, _m, _NO_KL), "old_logp must have shape"),
@@ -707,29 +708,33 @@ BAD = [
         lambda: grpo_loss(_x, None, None, _adv, _m, Objective(beta=0, kl_estimator="full"), kl=_x[:1]),
         "kl must have shape",
     ),
-    (lambda: grpo_loss(_x, None, None, _adv, _m, _NO_KL, behaviour_weights=_x[:, :2]), "behaviour_weights must have"),
-    (lambda: behaviour_weights(_x, _x, _m, "tis"), r"behaviour_mode must be one of \('none', 'token_truncate'"),
+    (lambda: grpo_loss(_x, None, None, _adv, _m, _NO_KL, sample_logp=_x[:, :2]), "sample_logp must have shape"),
+    (lambda: behaviour_weights(_x, _x, _m, "no-such-mode"), "--is-mode 'no-such-mode'.*token_truncate"),
     (lambda: behaviour_weights(_x, _x[:1], _m), "sample_logp must have shape"),
     (lambda: behaviour_weights(_x, _x, _m[:1]), "mask must have shape"),
     (lambda: informative_groups(torch.zeros(5), 2), "group_size must be an int >= 2 that divides"),
     (lambda: Objective(eps_high=math.nan), "--eps-high nan < --eps 0.2"),
     (lambda: Objective(delta=math.nan), r"--delta nan must be > 1 \+ eps_high = 1.2"),
     (lambda: informative_groups(torch.zeros(4, 1), 2), "rewards must have shape"),
-    # Objective: one line naming the flag
-    (lambda: Objective(eps_high=0.1), r"--eps-high 0.1 < --eps 0.2: clip-higher needs eps_high >= eps"),
+    # Objective: one line naming the flag or config key, the value and what holds
+    (lambda: Objective(eps_high=0.1), r"--eps-high 0.1 < --eps 0.2"),
     (lambda: Objective(delta=1.1), r"--delta 1.1 must be > 1 \+ eps_high = 1.2"),
     (lambda: Objective(eps=0.3, delta=1.25), r"--delta 1.25 must be > 1 \+ eps_high = 1.3"),  # resolved eps_high
-    (
-        lambda: Objective(loss_type="mean"),
-        r"--loss-type must be one of \('grpo', 'bnpo', 'dr_grpo', 'dapo', 'cispo', 'sapo'\)",
-    ),
-    (lambda: Objective(kl_estimator="k5"), r"--kl-estimator must be one of \('k1', 'k2', 'k3', 'k3_clamped', 'full'\)"),
-    (lambda: Objective(importance_level="x"), r"--importance-level must be one of \('token', 'sequence'\), got 'x'"),
+    (lambda: Objective(loss_type="no-such-loss"), "--loss-type 'no-such-loss'.*grpo"),
+    (lambda: Objective(kl_estimator="no-such-kl"), "--kl-estimator 'no-such-kl'.*full"),
+    (lambda: Objective(importance_level="no-such-level"), "--importance-level 'no-such-level'.*sequence"),
+    (lambda: Objective(is_mode="no-such-mode"), "--is-mode 'no-such-mode'.*none"),
+    (lambda: Objective(aggregation="no-such-aggregation"), "aggregation 'no-such-aggregation'.*dapo"),
+    (lambda: Objective(cispo_cap=0.5), "cispo_cap must be >= 1, got 0.5"),
+    (lambda: Objective(is_cap=0.0), "is_cap must be > 0, got 0.0"),
+    (lambda: Objective(sapo_temperature_neg=0.0), "sapo_temperature_pos/_neg must be > 0"),
 ]
 
 
 @pytest.mark.parametrize("call,message", BAD, ids=[m for _, m in BAD])
 def test_bad_input_raises_value_error_naming_the_argument(call, message):
+    """Fails if a bad argument is accepted (a silent wrong result) or its one-line error leaves out the argument,
+    its value or the rule it breaks."""
     with pytest.raises(ValueError, match=message):
         call()
 

@@ -8,7 +8,16 @@ import types
 import pytest
 import torch
 
-from grpo import Objective, aggregate, cispo_surrogate, grpo_loss, importance_ratio, sapo_surrogate
+from grpo import (
+    LOSS_TYPES,
+    Objective,
+    aggregate,
+    behaviour_weights,
+    cispo_surrogate,
+    grpo_loss,
+    importance_ratio,
+    sapo_surrogate,
+)
 
 NEW = ("cispo", "sapo")
 TAU = (1.0, 1.05)  # SAPO's temperatures for A > 0 and A <= 0: the paper's and TRL's defaults
@@ -94,7 +103,8 @@ def test_cispo_and_sapo_match_the_papers_equations(loss_type, level, beta, weigh
     assert (ratio[mask] > 1.5).any() and (ratio[mask] < 1.5).any(), "the batch needs ratios on both sides of the cap"
     w = w if weighted else torch.ones_like(w)
     logp.requires_grad_()
-    loss, _ = grpo_loss(logp, old, ref, adv, mask, _obj(loss_type, level, beta), behaviour_weights=w)
+    sample = old - w.log() if weighted else None  # pi_old / pi_sample = w, below is_cap: not cut
+    loss, _ = grpo_loss(logp, old, ref, adv, mask, _obj(loss_type, level, beta), sample_logp=sample)
     want, want_grad = _paper(loss_type, level, beta, logp.detach(), old, ref, adv, mask, w)
     assert loss.item() == pytest.approx(want, rel=1e-12)
     (grad,) = torch.autograd.grad(loss, logp)
@@ -159,6 +169,8 @@ def test_cispo_and_sapo_match_trl_compute_loss(loss_type, level, beta, weighted,
     trainer = _trl_trainer(loss_type, level, beta, quantile, accumulation, weighted)
     obj = _obj(loss_type, level, beta, top_entropy_quantile=quantile)
     n_tokens = mask.sum()
+    sample = old - w.log()  # the sampler's log-probs; TRL gets the weights ours computes from them
+    w = behaviour_weights(old, sample, mask, obj.is_mode, obj.is_cap)[0]
     # TRL's micro-batches are equal: grpo/sapo divide each one's row mean by the accumulation steps, cispo/dapo the
     # whole batch's tokens (num_items_in_batch * accumulation / steps_per_generation); ours get the whole batch's
     # num_sequences and num_tokens, so each micro-batch's loss is comparable, and so is the accumulated gradient
@@ -188,7 +200,7 @@ def test_cispo_and_sapo_match_trl_compute_loss(loss_type, level, beta, weighted,
             mask[rows],
             obj,
             entropy=ent[rows],
-            behaviour_weights=w[rows] if weighted else None,
+            sample_logp=sample[rows] if weighted else None,
             num_sequences=N,
             num_tokens=n_tokens,
         )
@@ -234,7 +246,9 @@ def test_cispo_clipped_tokens_keep_their_gradient_where_grpo_drops_it():
     assert (m["clip_high"].item(), m["clip_low"].item(), m["clip"].item()) == (1, 0, 1)  # TRL's cispo_clip_ratio
     # the weight is detached: no gradient reaches the ratio
     ratio = torch.tensor([[0.5, 2.0]], dtype=torch.float64, requires_grad=True)
-    out = cispo_surrogate(ratio, torch.ones(1, 1, dtype=torch.float64), torch.ones(1, 2, dtype=torch.float64), 1.5)
+    out = cispo_surrogate(
+        ratio, torch.ones(1, 1, dtype=torch.float64), logp=torch.ones(1, 2, dtype=torch.float64), cispo_cap=1.5
+    )
     torch.testing.assert_close(out, torch.tensor([[0.5, 1.5]], dtype=torch.float64))
     assert not out.requires_grad
 
@@ -242,7 +256,7 @@ def test_cispo_clipped_tokens_keep_their_gradient_where_grpo_drops_it():
 def test_sapo_gate_is_one_on_policy_and_decays_faster_for_negative_advantages():
     r = torch.tensor([[1.0, 1.0, 3.0, 3.0]], dtype=torch.float64, requires_grad=True)
     A = torch.tensor([[1.0, -1.0, 1.0, -1.0]], dtype=torch.float64)
-    f = sapo_surrogate(r, A, *TAU)
+    f = sapo_surrogate(r, A, sapo_temperature_pos=TAU[0], sapo_temperature_neg=TAU[1])
     (g,) = torch.autograd.grad(f.sum(), r)
     torch.testing.assert_close(f.detach()[0, :2], torch.tensor([2 / TAU[0], -2 / TAU[1]], dtype=torch.float64))
     torch.testing.assert_close(g[0, :2], torch.tensor([1.0, -1.0], dtype=torch.float64))  # f'(1) A = A
@@ -264,15 +278,16 @@ def test_aggregation_is_trls_and_micro_batches_sum_to_the_batch(loss_type):
     rows = [x[i, : int(m.sum())] for i, m in enumerate(mask)]
     want = sum(r.sum() for r in rows) / 30 if loss_type == "cispo" else sum(r.mean() for r in rows) / len(rows)
     assert mask.sum() != 30  # num_tokens is not this call's count: the formula must read it
-    torch.testing.assert_close(aggregate(x, mask, loss_type, num_tokens=30), want, rtol=1e-12, atol=0)
+    torch.testing.assert_close(aggregate(x, mask, LOSS_TYPES[loss_type][1], num_tokens=30), want, rtol=1e-12, atol=0)
     obj = _obj(loss_type, beta=0.04)
     full = logp.clone().requires_grad_()
-    loss, _ = grpo_loss(full, old, ref, adv, mask, obj, behaviour_weights=w)
+    sample = old - w.log()  # pi_old / pi_sample = w
+    loss, _ = grpo_loss(full, old, ref, adv, mask, obj, sample_logp=sample)
     loss.backward()
     acc, total = logp.clone().requires_grad_(), 0
     for s in (slice(0, 3), slice(3, 8)):  # unequal micro-batches
         part, _ = grpo_loss(
-            acc[s], old[s], ref[s], adv[s], mask[s], obj, behaviour_weights=w[s], num_sequences=8, num_tokens=mask.sum()
+            acc[s], old[s], ref[s], adv[s], mask[s], obj, sample_logp=sample[s], num_sequences=8, num_tokens=mask.sum()
         )
         part.backward()
         total = total + part.detach()
@@ -286,10 +301,11 @@ def test_padding_changes_neither_loss_nor_gradient(loss_type, level):
     logp, old, ref, w, ent, adv, mask = _batch()
     adv_t = adv[:, None] * torch.linspace(0.5, 1.5, 7, dtype=torch.float64)  # (N, T) process-style advantages
     obj = _obj(loss_type, level, 0.04, entropy_coef=0.01, top_entropy_quantile=0.5)
+    sample = old - w.log()  # from the clean old: at padding the weights then meet the garbage old
 
     def run(logp, old, ref, adv_t, ent):
         logp = logp.clone().requires_grad_()
-        loss, metrics = grpo_loss(logp, old, ref, adv_t, mask, obj, entropy=ent, behaviour_weights=w)
+        loss, metrics = grpo_loss(logp, old, ref, adv_t, mask, obj, entropy=ent, sample_logp=sample)
         return loss, torch.autograd.grad(loss, logp)[0], metrics
 
     def bad(x, v):

@@ -218,10 +218,7 @@ def test_eval_integer_ranges(model_dir, capsys, argv, message):
             ["--beta", 0, "--kl-estimator", "k1"],
             "note: kl_estimator has no effect in this run (--beta 0: no reference)",
         ),
-        (
-            ["--config", "max_tool_calls=2"],
-            "note: max_tool_calls has no effect in this run (task toy has no environment)",
-        ),
+        (["--is-mode", "none", "--config", "is_cap=3.0"], "note: is_cap has no effect in this run (--is-mode none)"),
         (["--config", "cispo_cap=3"], "note: cispo_cap has no effect in this run (not --loss-type cispo)"),
     ],
 )

@@ -89,7 +89,9 @@ def test_logprobs_entropy_and_gradients_equal_the_full_rows(kind, case):
     assert (~m).any() and m.any(), "the call must hold rows that stop early"
     params = list(model.parameters())
     w = torch.randn(m.shape, generator=torch.Generator().manual_seed(2)) * m  # (N, C) fixed weights, valid tokens
-    logp, ent, kl = rollout.token_logprobs(model, ids, mask, C, temperature=T, with_entropy=True, share=True)
+    logp, ent, kl = rollout.token_logprobs(
+        model, ids, mask, C, sampler=rollout.Sampler(temperature=T), with_entropy=True, share=True
+    )
     assert kl is None and logp.shape == ent.shape == m.shape
     assert (logp[~m] == 0).all() and (ent[~m] == 0).all(), "padding after a stop must be 0"
     logq = reference(model, ids, mask, C, T)  # (N, C, V)

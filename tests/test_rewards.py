@@ -274,16 +274,7 @@ def test_weight_must_be_a_number():
 
 
 # -----------------------------------------------------------------------------
-# README: a reward model as a reward fn
-
-
-def readme_block(heading):
-    """The ```python block right after the line `heading` of README.md."""
-    lines = README.read_text().splitlines()
-    at = lines.index(heading)
-    start = lines.index("```python", at) + 1
-    assert not any(line.startswith("#") for line in lines[at + 1 : start]), f"no python block under {heading!r}"
-    return "\n".join(lines[start : lines.index("```", start)])
+# reward_model.py: a reward model as a reward fn
 
 
 def tiny_reward_model(num_labels=1):
@@ -301,24 +292,21 @@ def tiny_reward_model(num_labels=1):
     return LlamaForSequenceClassification(cfg).eval()
 
 
-def test_readme_reward_model_scores_each_text_as_if_alone(monkeypatch):
+def test_a_reward_model_scores_each_text_as_if_alone(monkeypatch):
+    """Fails if the batched scores differ from each text scored alone (the padding side or the pooled position wrong),
+    if the reward does not reach a run's total through rewards.REWARDS and its weight, or if a model with more than
+    one label passes."""
+    from reward_model import reward_model
+
     tok, rm = make_tokenizer(), tiny_reward_model()
-    assert rm.config.pad_token_id is None  # the block sets it from the tokenizer
-    # the block adds the fn to TASKS["gsm8k"]: it gets a copy with dicts of its own
-    own = {
-        k: t._replace(reward_fns=dict(t.reward_fns), reward_weights=dict(t.reward_weights))
-        for k, t in tasks.TASKS.items()
-    }
-    monkeypatch.setattr(tasks, "TASKS", own)
-    block = {"rm": rm, "rm_tok": tok}
-    exec(readme_block("### A reward model as a reward function"), block)
+    assert rm.config.pad_token_id is None  # reward_model sets it from the tokenizer
+    monkeypatch.setitem(rewards.REWARDS, "rm", reward_model(rm, tok))  # as its docstring says
     assert rm.config.pad_token_id == EOS
     prompts = ["w1 w2 w3", "w4", "w5 w6", "w7 w8 w9 w10 w11"]  # 4 to 9 tokens: every row but one is padded
     completions = [" w12", " w13 w14 w15 w16 w17 w18", " w19", " w20 w21 w22"]
-    task = tasks.TASKS["gsm8k"]
-    total, per_fn = combine_rewards(
-        task.reward_fns, task.reward_weights, completions, question=prompts, answer=["1"] * 4
-    )
+    weights = {**tasks.TASKS["gsm8k"].reward_weights, "rm": 1.0}  # what --reward-weights rm=1.0 trains on
+    fns = {k: rewards.REWARDS[k] for k in weights}
+    total, per_fn = combine_rewards(fns, weights, completions, question=prompts, answer=["1"] * 4)
     with torch.no_grad():  # each text alone, no padding at all
         alone = [
             rm(input_ids=torch.tensor([tok(p + c)["input_ids"]])).logits[0, 0].item()
@@ -329,4 +317,4 @@ def test_readme_reward_model_scores_each_text_as_if_alone(monkeypatch):
     assert total == per_fn["rm"]  # weight 1.0; correct and format are 0 here
     assert min(abs(a - b) for i, a in enumerate(alone) for b in alone[i + 1 :]) > 1e-3  # scores depend on the text
     with pytest.raises(AssertionError, match="num_labels=1"):
-        block["reward_model"](tiny_reward_model(num_labels=2), tok)
+        reward_model(tiny_reward_model(num_labels=2), tok)

@@ -3,6 +3,7 @@ question, through train.py and eval.py on the tiny model. Skipped where reasonin
 
 import json
 import os
+from collections import Counter
 import subprocess
 import sys
 
@@ -55,9 +56,19 @@ def questions(name, options, split):
     return {ex["question"] for ex in extra_tasks.get(name, options).load(split)}
 
 
+def distinct(name, split, **config):  # reasoning-gym's own items of a small space, counted apart from load_rg
+    dataset = rg.create_dataset(name, seed=9, size=extra_tasks.RG_DRAWS, **config)
+    found = {dataset[i]["question"] for i in range(len(dataset))}
+    return {q for q in found if extra_tasks.rg_is_test(q) == (split == "test")}
+
+
 @pytest.mark.parametrize(
     "name, options",
-    [("rg:chain_sum", ONE_DIGIT), ("rg:chain_sum+products", {"chain_sum": ONE_DIGIT, "products": ONE_DIGIT})],
+    [
+        ("rg:chain_sum", ONE_DIGIT),
+        ("rg:chain_sum+products", {"chain_sum": ONE_DIGIT, "products": ONE_DIGIT}),
+        ("rg:chain_sum+products", {"chain_sum": {**ONE_DIGIT, "weight": 3}, "products": ONE_DIGIT}),
+    ],
 )
 def test_train_and_test_share_no_question_whatever_the_seeds(name, options):
     """Fails if the split is by index or seed instead of by question (reasoning-gym draws item i from Random(seed + i):
@@ -70,6 +81,63 @@ def test_train_and_test_share_no_question_whatever_the_seeds(name, options):
     assert test[0] == test[1]  # a small space: every seed holds the whole test split
     one = extra_tasks.get(name, options).load("test")
     assert len(one) == len({ex["question"] for ex in one})
+
+
+@pytest.mark.parametrize("weights", [(1, 1), (3, 1), (1, 4)])
+def test_a_mixs_train_split_holds_its_sources_by_weight(weights, capsys):
+    """Fails if a mix's train split holds its sources in other proportions than their weights (reasoning-gym's
+    composite draw, repeats skipped: ~90 one-digit sums against thousands of products at 1:1), if a source short of
+    its share is not repeated to it, evenly, or is repeated without a line saying so, if a source with enough
+    questions repeats one, or if the split differs between two loads with the same seed."""
+    n = 400
+    options = {"chain_sum": {**ONE_DIGIT, "weight": weights[0]}, "products": {"weight": weights[1]}, "seed": 1}
+    task = extra_tasks.get("rg:chain_sum+products", options)
+    capsys.readouterr()
+    got = task.load("train", n=n)
+    line = capsys.readouterr().out
+    want = {"chain_sum": n * weights[0] // sum(weights), "products": n * weights[1] // sum(weights)}
+    assert Counter(ex["source"] for ex in got) == want
+    assert not any(extra_tasks.rg_is_test(ex["question"]) for ex in got)
+    sums = Counter(ex["question"] for ex in got if ex["source"] == "chain_sum")
+    space = distinct("chain_sum", "train", **ONE_DIGIT)  # every 1-digit sum of the train split, ~90
+    products = [ex["question"] for ex in got if ex["source"] == "products"]
+    assert len(set(products)) == want["products"]  # 1-5 digit products: a large space, no repeats
+    if want["chain_sum"] > len(space):
+        assert set(sums) == space and max(sums.values()) - min(sums.values()) <= 1
+        assert f"chain_sum's 30,000 draws hold {len(space)} distinct train questions" in line and "repeated" in line
+    else:
+        assert len(sums) == want["chain_sum"] and set(sums) <= space and line == ""
+    assert task.load("train", n=n) == got
+
+
+def test_a_test_split_holds_size_or_one_line_says_why(capsys):
+    """Fails if fewer test questions than asked come back without a line saying so (the count, the size asked, the fix:
+    lower size), if a size the dataset holds is cut or printed about, if a mix's test split leaves a short source's
+    remainder to nobody or repeats a question, or if its sources are not spread by weight (train.py evaluates the
+    first eval_n)."""
+    space = distinct("chain_sum", "test", **ONE_DIGIT)  # every 1-digit sum of the test split, ~110
+
+    def load(name, options):
+        got = extra_tasks.get(name, options).load("test")
+        assert len({ex["question"] for ex in got}) == len(got)
+        assert all(extra_tasks.rg_is_test(ex["question"]) for ex in got)
+        return got, capsys.readouterr().out
+
+    capsys.readouterr()
+    got, line = load("rg:chain_sum", {**ONE_DIGIT, "size": len(space) - 10})
+    assert len(got) == len(space) - 10 and line == ""
+    got, line = load("rg:chain_sum", {**ONE_DIGIT, "size": len(space) + 50})
+    assert {ex["question"] for ex in got} == space
+    assert f"{len(space)} questions of the {len(space) + 50} asked" in line and "lower size" in line, line
+    size = 300  # 150 each by weight; the sums hold ~110: the products take the rest
+    got, line = load("rg:chain_sum+products", {"chain_sum": ONE_DIGIT, "size": size})
+    sources = Counter(ex["source"] for ex in got)
+    assert len(got) == size and sources == {"chain_sum": len(space), "products": size - len(space)}
+    assert f"chain_sum's 30,000 draws hold {len(space)} distinct test questions" in line, line
+    got, line = load("rg:chain_sum+products", {"chain_sum": ONE_DIGIT, "products": {"weight": 3}, "size": 200})
+    assert Counter(ex["source"] for ex in got) == {"chain_sum": 200 // 4, "products": 200 * 3 // 4} and line == ""
+    for k in (8, 40, 101):  # any prefix holds the weights' mix, to one question
+        assert abs(sum(ex["source"] == "chain_sum" for ex in got[:k]) - k / 4) <= 1
 
 
 def test_evaluate_reports_each_sources_strict_accuracy():
@@ -99,10 +167,14 @@ def test_evaluate_reports_each_sources_strict_accuracy():
 
 def test_an_rg_task_trains_and_eval_follows_the_run(model_dir, tmp_path, capsys):
     """Fails if train.py drops task_options (the run would train on another config than the one saved), if the reward
-    fns do not reach the rg rewards, or if eval.py --ckpt without --task scores GSM8K instead of the run's task."""
+    fns do not reach the rg rewards, if eval.py --ckpt without --task scores GSM8K instead of the run's task, or if
+    train.py or eval.py say nothing of a test split smaller than the size asked (200; 1-digit sums hold ~110)."""
     out = str(tmp_path / "run")
     options = {**ONE_DIGIT, "seed": 3}
+    note = f"rg:chain_sum test: {len(distinct('chain_sum', 'test', **ONE_DIGIT))} questions of the 200 asked"
+    capsys.readouterr()
     g = run_script(TRAIN, rg_args(model_dir, out, options=options))
+    assert note in capsys.readouterr().out
     assert g["train_set"][0]["question"] == extra_tasks.get("rg:chain_sum", options).load("train")[0]["question"]
     assert json.load(open(os.path.join(out, "run.json")))["task_options"] == options
     logged = {k for row in read_metrics(out) for k in row}
@@ -111,7 +183,8 @@ def test_an_rg_task_trains_and_eval_follows_the_run(model_dir, tmp_path, capsys)
     run_script(EVAL, ["--ckpt", out, "--limit", 2, "--max-new-tokens", 4, "--device", "cpu"])
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "task rg:chain_sum, its options (from the run; --task to change)"
-    assert lines[1].startswith("rg:chain_sum/test ") and "score=" in lines[1]
+    assert lines[1].startswith(note)
+    assert lines[2].startswith("rg:chain_sum/test ") and "score=" in lines[2]
     preds = [json.loads(x) for x in open(os.path.join(out, "predictions_rg-chain_sum_test.jsonl"))]
     assert [p["question"] for p in preds] == [ex["question"] for ex in g["test_set"][:2]]
     run_script(EVAL, ["--ckpt", out, "--task", "toy", "--limit", 1, "--max-new-tokens", 4, "--device", "cpu"])
@@ -155,14 +228,15 @@ def test_missing_reasoning_gym_is_one_line(model_dir, tmp_path, capsys, monkeypa
     assert code == 2 and "pip install reasoning-gym==0.1.25" in line, line
 
 
-def test_options_on_another_task_say_so(model_dir, tmp_path, capsys):
-    """Fails if task_options on a task that takes none passes silently (train.py) or is ignored (eval.py)."""
-    run_script(TRAIN, train_args(model_dir, str(tmp_path / "run"), "--config", "task_options={'seed': 1}", steps=1))
-    assert (
-        "note: task_options has no effect in this run (task toy is not a reasoning-gym task)" in capsys.readouterr().out
-    )
-    code, line = error_of(EVAL, ["--task", "arith", "--task-options", "{'seed': 1}", "--model", model_dir], capsys)
-    assert code == 2 and "--task-options configures an rg: task" in line, line
+def test_options_a_task_does_not_take_are_one_line(model_dir, tmp_path, capsys):
+    """Fails if a task_options key the task does not take passes silently (train.py) or is ignored (eval.py): one
+    line each, naming the key and the task."""
+    argv = train_args(model_dir, str(tmp_path / "run"), "--config", "task_options={'seed': 1}", steps=1)
+    code, line = error_of(TRAIN, argv, capsys)
+    assert code == 2 and "task_options 'seed'" in line and "toy" in line, line
+    argv = ["--task", "arith", "--task-options", "{'no_such_option': 1}", "--model", model_dir]
+    code, line = error_of(EVAL, argv, capsys)
+    assert code == 2 and "'no_such_option'" in line and "arith" in line and "digits" in line, line
 
 
 CHECK_IMPORTS = """

@@ -19,6 +19,7 @@ from conftest import DECODE, ENDOFTEXT, EOS, GRADS, VOCAB, assert_close_scaled, 
 from rollout import stop_token_ids
 from rollout import (
     Rollout,
+    Sampler,
     completion_hidden,
     concat,
     encode_prompts,
@@ -180,18 +181,29 @@ def test_sample_logp_matches_teacher_forced_with_left_padding(tiny_tok, tiny_mod
     """fp32 (dtype None: no autocast): the decode loop and the training pass differ by summation order only."""
     T = 0.7
     r = sample(
-        tiny_model, tiny_tok, PROMPTS, group_size=2, max_new_tokens=12, stop_ids=[EOS], temperature=T, generator=_gen(1)
+        tiny_model,
+        tiny_tok,
+        PROMPTS,
+        group_size=2,
+        max_new_tokens=12,
+        stop_ids=[EOS],
+        sampler=Sampler(temperature=T),
+        generator=_gen(1),
     )
     assert (r.prompt_mask == 0).any(), "the test needs left padding"
     C, m = r.completion_ids.size(1), r.completion_mask.bool()
     assert m.sum() >= 3 * C, "the test needs several valid tokens"
-    logp, _, _ = token_logprobs(tiny_model, r.input_ids, r.attention_mask, C, temperature=T, share=share)
+    logp, _, _ = token_logprobs(
+        tiny_model, r.input_ids, r.attention_mask, C, sampler=Sampler(temperature=T), share=share
+    )
     assert_close_scaled(logp[m], r.sample_logp[m], DECODE)
     # the same check with the wrong temperature or ignoring the padding fails: the test has teeth
-    wrong_t, _, _ = token_logprobs(tiny_model, r.input_ids, r.attention_mask, C, temperature=1.0)
+    wrong_t, _, _ = token_logprobs(tiny_model, r.input_ids, r.attention_mask, C, sampler=Sampler(temperature=1.0))
     assert (wrong_t[m] - r.sample_logp[m]).abs().max() > 1e-2
     padded = (r.prompt_mask == 0).any(1)  # (N,)
-    no_pad, _, _ = token_logprobs(tiny_model, r.input_ids, torch.ones_like(r.attention_mask), C, temperature=T)
+    no_pad, _, _ = token_logprobs(
+        tiny_model, r.input_ids, torch.ones_like(r.attention_mask), C, sampler=Sampler(temperature=T)
+    )
     assert (no_pad[padded] - r.sample_logp[padded])[m[padded]].abs().max() > 1e-3
 
 
@@ -201,7 +213,9 @@ def test_token_logprobs_equals_naive_full_softmax(tiny_model, share):
     C, m, T = cmask.size(1), cmask.bool(), 0.7
     with torch.no_grad():
         naive_lp, naive_ent = _naive_logprobs(tiny_model, ids, mask, C, T)
-        logp, ent, kl = token_logprobs(tiny_model, ids, mask, C, temperature=T, with_entropy=True, share=share)
+        logp, ent, kl = token_logprobs(
+            tiny_model, ids, mask, C, sampler=Sampler(temperature=T), with_entropy=True, share=share
+        )
     assert logp.shape == ent.shape == (4, C) and not logp.requires_grad and kl is None
     assert_close_scaled(logp[m], naive_lp[m])
     assert_close_scaled(ent[m], naive_ent[m])
@@ -222,7 +236,9 @@ def test_token_logprobs_gradient_equals_naive(tiny_model, share):
     def grads(logp, ent):
         return torch.autograd.grad((w * logp).sum() + 0.1 * (w * ent).sum(), params)
 
-    logp, ent, _ = token_logprobs(tiny_model, ids, mask, C, temperature=T, with_entropy=True, share=share)
+    logp, ent, _ = token_logprobs(
+        tiny_model, ids, mask, C, sampler=Sampler(temperature=T), with_entropy=True, share=share
+    )
     assert logp.requires_grad
     got = grads(logp, ent)
     want = grads(*_naive_logprobs(tiny_model, ids, mask, C, T))
@@ -280,7 +296,9 @@ def test_head_logprobs_runs_the_head_module_on_chunks_only():
     rows = {head: [], ref_head: []}
     for h in rows:
         h.register_forward_hook(lambda m, args, out: rows[m].append(args[0].size(0)))
-    logp, ent, kl = head_logprobs(head, hidden, targets, T, with_entropy=True, ref=(ref_head, ref_hidden))
+    logp, ent, kl = head_logprobs(
+        head, hidden, targets, sampler=Sampler(temperature=T), with_entropy=True, ref=(ref_head, ref_hidden)
+    )
     assert rows[head] == rows[ref_head] == [64, 64, 5] and 64 * 4 * vocab == 64 << 20
     w = torch.randn(3, n, generator=g)
     params = [hidden, head.linear.weight, head.linear.bias]
@@ -304,7 +322,7 @@ def test_head_logprobs_runs_the_head_module_on_chunks_only():
     assert kl.min() > 0.01  # two different heads
     with torch.no_grad():  # no autograd: no checkpoint, one call per chunk
         rows[head].clear()
-        torch.testing.assert_close(head_logprobs(head, hidden, targets, T)[0], logp)
+        torch.testing.assert_close(head_logprobs(head, hidden, targets, sampler=Sampler(temperature=T))[0], logp)
     assert rows[head] == [64, 64, 5]
 
 
@@ -315,7 +333,9 @@ def test_token_logprobs_kl_to_a_reference_equals_the_full_softmax(tiny_model):
     with torch.no_grad():
         ref_hidden = completion_hidden(ref, ids, mask, C)  # (N, C, H)
         self_hidden = completion_hidden(tiny_model, ids, mask, C)
-    logp, _, kl = token_logprobs(tiny_model, ids, mask, C, T, ref=(ref.lm_head, ref_hidden))
+    logp, _, kl = token_logprobs(
+        tiny_model, ids, mask, C, sampler=Sampler(temperature=T), ref=(ref.lm_head, ref_hidden)
+    )
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     z = tiny_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1 : -1] / T  # (N, C, V)
     with torch.no_grad():
@@ -330,7 +350,9 @@ def test_token_logprobs_kl_to_a_reference_equals_the_full_softmax(tiny_model):
         assert_close_scaled(a, b, GRADS, msg=name)
     # the policy as its own reference, in the same numerics: exactly 0 (train.py's first step)
     with torch.no_grad():
-        _, _, kl_self = token_logprobs(tiny_model, ids, mask, C, T, ref=(tiny_model.lm_head, self_hidden))
+        _, _, kl_self = token_logprobs(
+            tiny_model, ids, mask, C, sampler=Sampler(temperature=T), ref=(tiny_model.lm_head, self_hidden)
+        )
     assert (kl_self == 0).all()
 
 
@@ -339,7 +361,7 @@ def test_token_logprobs_kl_to_a_reference_equals_the_full_softmax(tiny_model):
 
 
 def test_sample_seed_groups_and_prompt_rows(tiny_tok, tiny_model):
-    kw = dict(group_size=3, max_new_tokens=8, stop_ids=[EOS], temperature=1.0)
+    kw = dict(group_size=3, max_new_tokens=8, stop_ids=[EOS], sampler=Sampler(temperature=1.0))
     a = sample(tiny_model, tiny_tok, PROMPTS, generator=_gen(5), **kw)
     b = sample(tiny_model, tiny_tok, PROMPTS, generator=_gen(5), **kw)
     c = sample(tiny_model, tiny_tok, PROMPTS, generator=_gen(6), **kw)
@@ -394,7 +416,7 @@ def _naive_greedy(model, prompt_ids, steps, stop_ids):
 
 def test_greedy_matches_uncached_decode(tiny_tok, tiny_model):
     kw = dict(group_size=2, max_new_tokens=10, stop_ids=[EOS])
-    greedy = sample(tiny_model, tiny_tok, PROMPTS, temperature=0, **kw)
+    greedy = sample(tiny_model, tiny_tok, PROMPTS, sampler=Sampler(temperature=0), **kw)
     for i, p in enumerate(encode_prompts(tiny_tok, PROMPTS)):
         want = _naive_greedy(tiny_model, p, 10, [EOS])
         row = greedy.completion_ids[2 * i]
@@ -439,7 +461,7 @@ def test_max_prompt_tokens_keeps_the_last_tokens_and_flags_the_cut(tiny_tok, tin
         group_size=2,
         max_new_tokens=6,
         stop_ids=[EOS],
-        temperature=0,
+        sampler=Sampler(temperature=0),
         max_prompt_tokens=8,
     )
     assert r.prompt_ids.shape == (6, 8) and r.prompt_mask.all()
@@ -467,8 +489,9 @@ def test_concat_repads_and_picks_rows_by_hand():
         sample_logp=t([[-0.5, -0.25], [-1.0, -2.0]]),
         prompt_cut=t([False, True]),
         env_mask=t([[False, False], [False, False]]),
-        tool_calls=t([0, 2]),
-        tool_errors=t([0, 1]),
+        env_state=[{"tool_calls": 0}, {"tool_calls": 2}],
+        examples=[{"question": "a0"}, {"question": "a1"}],
+        rewards=t([[0.0, 1.0], [1.0, 0.0]]),
     )
     b = Rollout(
         prompt_ids=t([[4]]),
@@ -480,8 +503,9 @@ def test_concat_repads_and_picks_rows_by_hand():
         sample_logp=t([[-0.1, 0.0, -0.3]]),
         prompt_cut=t([False]),
         env_mask=t([[False, True, False]]),
-        tool_calls=t([1]),
-        tool_errors=t([0]),
+        env_state=[{"tool_calls": 1}],
+        examples=[{"question": "b"}],
+        rewards=t([[0.5, 1.0]]),
     )
     r = concat([a, b])[t([1, 0, 2])]  # a's rows swapped, then b's
     assert r.prompt_ids.tolist() == [[9, 9, 9], [0, 7, 8], [0, 0, 4]]
@@ -492,7 +516,12 @@ def test_concat_repads_and_picks_rows_by_hand():
     assert r.truncated.tolist() == [True, False, False] and r.prompt_cut.tolist() == [True, False, False]
     assert r.completions == ["a1", "a0", "b0"]
     assert r.env_mask.tolist() == [[False, False, False], [False, False, False], [False, True, False]]
-    assert r.tool_calls.tolist() == [2, 0, 1] and r.tool_errors.tolist() == [1, 0, 0]
+    assert [s["tool_calls"] for s in r.env_state] == [2, 0, 1] and [e["question"] for e in r.examples] == [
+        "a1",
+        "a0",
+        "b",
+    ]
+    assert r.rewards.tolist() == [[1.0, 0.0], [0.0, 1.0], [0.5, 1.0]]  # each reward fn's column kept
     assert r.input_ids[2].tolist() == [0, 0, 4, 7, 7, 3] and r.attention_mask[1].tolist() == [0, 1, 1, 1, 1, 0]
     assert r.attention_mask[2].tolist() == [0, 0, 1, 1, 1, 1]  # the model reads the tool's reply
 
@@ -517,12 +546,67 @@ def test_real_model_sample_logp_matches_teacher_forced(real_model):
     prompts = ["What is 2 + 3?", "Name three colours of the rainbow, then explain in one sentence why the sky is blue."]
     stop_ids, T = stop_token_ids(tok, model), 0.7
     r = sample(
-        model, tok, prompts, group_size=2, max_new_tokens=16, stop_ids=stop_ids, temperature=T, generator=_gen(0)
+        model,
+        tok,
+        prompts,
+        group_size=2,
+        max_new_tokens=16,
+        stop_ids=stop_ids,
+        sampler=Sampler(temperature=T),
+        generator=_gen(0),
     )
     assert (r.prompt_mask == 0).any(), "the test needs left padding"
     C, m = r.completion_ids.size(1), r.completion_mask.bool()
     for share in (True, False):
         with torch.no_grad():
-            logp, _, _ = token_logprobs(model, r.input_ids, r.attention_mask, C, temperature=T, share=share)
+            logp, _, _ = token_logprobs(
+                model, r.input_ids, r.attention_mask, C, sampler=Sampler(temperature=T), share=share
+            )
         # fp32 (no dtype: no autocast), 30 layers of width 576 summed in other orders: 2e-5 measured
         assert_close_scaled(logp[m], r.sample_logp[m], DECODE)
+
+
+@pytest.mark.parametrize(
+    "G, max_new, T", [(0, 4, 1.0), (2, 0, 1.0), (2, 4, -0.5)], ids=["group", "budget", "temperature"]
+)
+def test_sample_refuses_a_group_a_budget_or_a_temperature_out_of_range(tiny_tok, tiny_model, G, max_new, T):
+    """Fails if G < 1, max_new_tokens < 1 or a negative temperature is sampled from (or refused without saying which
+    values), or if a budget of one token is refused."""
+    with pytest.raises(ValueError, match=r"need G, max_new_tokens >= 1, temperature >= 0") as e:
+        sample(
+            tiny_model, tiny_tok, PROMPTS[:1], G, max_new_tokens=max_new, stop_ids=[EOS], sampler=Sampler(temperature=T)
+        )
+    assert f"({G}, {max_new}, {T})" in str(e.value)  # the values, whatever else a Sampler holds
+    r = sample(tiny_model, tiny_tok, PROMPTS[:1], 2, max_new_tokens=1, stop_ids=[EOS], generator=_gen())
+    assert r.completion_ids.shape == (2, 1) and r.completion_mask.sum() == 2
+
+
+def test_sample_computes_in_the_dtype_it_is_given(tiny_tok, tiny_model):
+    """dtype bfloat16 on fp32 weights: the prefill and every decode step run under bf16 autocast; dtype None: none
+    does. Fails if sampling ignores its dtype (fp32 compute where bf16 was asked: not the numerics train.py logs)."""
+    seen = []
+    tiny_model.model.register_forward_pre_hook(
+        lambda mod, args: seen.append(torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"))
+    )
+    for dtype, want in ((torch.bfloat16, torch.bfloat16), (None, False)):
+        seen.clear()
+        sample(tiny_model, tiny_tok, PROMPTS[:2], 2, max_new_tokens=4, stop_ids=[EOS], generator=_gen(), dtype=dtype)
+        assert len(seen) >= 2 and set(seen) == {want}, (dtype, seen)
+
+
+def test_sample_positions_are_the_cumsum_of_the_mask_under_absolute_positions(tiny_tok):
+    """GPT-2 learns one embedding per absolute position (a RoPE model sees only differences, so an offset shared by
+    every token leaves it unchanged): the decode loop's log-probs equal the teacher-forced pass's (positions
+    cumsum(mask) - 1, left padding skipped) within conftest's DECODE bound. Fails if sampling's positions are off."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=len(VOCAB), n_embd=32, n_layer=2, n_head=4, initializer_range=0.3, bos_token_id=1, eos_token_id=EOS
+    )
+    model = GPT2LMHeadModel(config).eval()
+    r = sample(model, tiny_tok, PROMPTS, 2, max_new_tokens=12, stop_ids=[EOS], generator=_gen(2))
+    assert (r.prompt_mask == 0).any(), "the test needs left padding"
+    C, m = r.completion_ids.size(1), r.completion_mask.bool()
+    logp = token_logprobs(model, r.input_ids, r.attention_mask, C)[0]
+    assert_close_scaled(logp[m], r.sample_logp[m], DECODE)

@@ -20,10 +20,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import toy  # noqa: E402
 from toy import EVAL, TRAIN, error_of, read_metrics, run_script, train_args  # noqa: E402
 
+import gsm8k  # noqa: E402
 import models  # noqa: E402
 import rollout  # noqa: E402
 import run  # noqa: E402
-import tasks  # noqa: E402
 
 
 class Payload:
@@ -153,7 +153,7 @@ def deliver(sig):
 
 PHASES = {  # where the signal arrives: module, function
     "model loading": (models, "load_model"),
-    "GSM8K download": (tasks.urllib.request, "urlopen"),
+    "GSM8K download": (gsm8k.urllib.request, "urlopen"),
     "start-up probe": (rollout, "sharing_problem"),
     "checkpoint restore": (run, "restore"),
 }

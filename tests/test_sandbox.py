@@ -1,20 +1,35 @@
-"""envs.python: hostile programs against the sandbox (each asserts the protective outcome the start-up line
-promises here), the tool's contract in a ToolEnv, and the gsm8k_python task on the offline SmolLM2."""
+"""sandbox.py and envs.python: hostile programs against the sandbox, each asserting the protective outcome wherever the
+start-up line claims it (the configuration detected here, and each with one protection off, so every form of the
+line is checked against what it says), the tool's replies in a ToolEnv, and the gsm8k_python task on SmolLM2."""
 
+import json
 import os
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import uuid
 
 import pytest
 import torch
+from conftest import REPO, make_tokenizer
 from transformers.utils import get_json_schema
 
-import envs
-from envs import PY_LIMITS, PY_SHOW, ToolEnv, python, run_python, sandbox_protections
+import sandbox
+from envs import ToolEnv, python
+from sandbox import PY_SHOW, run_python, sandbox_protections
 
-BOUND = 10.0  # seconds: a 1 s timeout returns well within it; a program left running would not
+DETECT = sandbox._sandbox  # the cached detection, which the mode fixture patches over
+BOUND = 10.0  # seconds: a 1 s timeout returns well within it; a program left running, or a stalled kill, would not
+MODES = {  # the detected configuration, and with one protection off (skipped where it is off already)
+    "detected": {},
+    "no Landlock": {"abi": 0},
+    "no cgroup": {"cgroup": None},
+    "no namespaces": {"ns": False, "userns": False},
+}
 
 
 def marked(marker):
@@ -30,23 +45,100 @@ def marked(marker):
     return pids
 
 
-def test_tool_schema_result_and_error():
-    """Fails if the docstring no longer gives transformers a schema, if a program's output is not the result, or if
-    a raising program comes back as a normal result rather than an error holding its traceback's last line."""
-    schema = get_json_schema(python)
-    assert schema["function"]["parameters"]["required"] == ["code"]
+def wrappers(caller):
+    """Pids of the sandbox's own processes (the wrapper, its namespace's init) of the calls a caller pid made."""
+    return marked(f"{sandbox.CONFINE}\0{caller}\0")
+
+
+def gone(pids_of, bound=BOUND):
+    """Waits up to bound seconds for pids_of() to be empty -> what is left (killed, so that a failure leaves none)."""
+    end = time.monotonic() + bound
+    while pids_of() and time.monotonic() < end:
+        time.sleep(0.05)
+    left = pids_of()
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return left
+
+
+def processes(line):
+    """The processes a call may have at once, as the start-up line says."""
+    return int(line.split("processes ")[1].split(")")[0])
+
+
+def new_marker():
+    return f"{1000 + uuid.uuid4().int % 10**6}.{os.getpid()}"
+
+
+def sleeper(marker):
+    """Code: start a process tagged with marker that sleeps."""
+    return f"import os\nif os.fork() == 0:\n    os.execv('/bin/sleep', ['sleep', '{marker}'])\n"
+
+
+@pytest.fixture(params=list(MODES))
+def mode(request, monkeypatch):
+    """The sandbox as detected here, and with one protection off: run_python then runs that configuration and
+    sandbox_protections() says what it enforces -> that line."""
+    conf = DETECT()[0]
+    args = {k: conf[k] for k in ("uid", "ns", "userns", "abi", "cgroup")}
+    if all(args[k] == v for k, v in MODES[request.param].items()) and request.param != "detected":
+        pytest.skip(f"{request.param}: the detected configuration already")
+    args.update(MODES[request.param])
+    changed = sandbox._config(**args)
+    if not changed["ns"] and conf["uid"] is not None:  # another uid must run it without the mount namespace's help
+        exe = os.path.realpath("/usr/bin/python3")
+        if not os.path.exists(exe):
+            pytest.skip("no /usr/bin/python3 for a fresh uid to run without namespaces")
+        changed["exe"] = exe
+    line = sandbox._describe(changed)
+    monkeypatch.setattr(sandbox, "_sandbox", lambda: (changed, line))
+    return line
+
+
+# -----------------------------------------------------------------------------
+# the tool and the line
+
+
+def test_tool_schema_result_and_error_reply(mode, monkeypatch):
+    """Fails if the docstring no longer gives transformers a schema, if a program's output is not the result, if a
+    failing program's reply does not start with its error's last line (a reply is cut to its head: 64 tokens), or if
+    the same failing program gives two replies (a random temp-dir path in the traceback)."""
+    assert get_json_schema(python)["function"]["parameters"]["required"] == ["code"]
     assert python("print(6 * 7)") == "42\n"
-    with pytest.raises(RuntimeError, match=r"(?s)exit 1: .*ZeroDivisionError: division by zero"):
-        python("1 / 0")
+    replies = []
+    for _ in range(2):
+        with pytest.raises(RuntimeError) as e:
+            python("print('partial')\nprint(48 / 0)")
+        replies.append(str(e.value))
+    first = replies[0].splitlines()[0]
+    assert first.startswith("ZeroDivisionError: division by zero") and "exit 1" in first, replies[0]
+    assert "partial" in replies[0] and replies[0] == replies[1], replies
+    monkeypatch.setattr(sandbox, "PY_TIMEOUT", 0.5)
+    with pytest.raises(RuntimeError, match="^timed out after 0.5 s"):  # no exit status: the status first
+        python("print('partial')\nwhile True:\n    pass")
 
 
-def test_start_up_line_is_one_line_and_honest():
-    """Fails if the line spans lines, or if it leaves out 'not a security boundary' while the network or the writes
-    are not confined (or says it while both are)."""
-    line = sandbox_protections()
-    assert line.startswith("python sandbox:") and "\n" not in line
-    confined = "no network" in line and "writes only in its dir" in line
-    assert ("not a security boundary" in line) != confined, line
+def test_start_up_line_is_one_line_and_honest(mode):
+    """Fails if the line spans lines, or if it leaves out 'not a security boundary' where namespaces or Landlock
+    are missing (or says it where both hold)."""
+    assert mode == sandbox_protections() and mode.startswith("python sandbox:") and "\n" not in mode
+    both = "namespaces:" in mode and "Landlock:" in mode
+    assert ("not a security boundary" in mode) != both, mode
+
+
+def test_each_call_runs_as_its_own_uid():
+    """Fails if, as root, a call runs as root, as the caller's uid, or as the uid of another call."""
+    if "a fresh uid per call" not in sandbox_protections():
+        pytest.skip("not root: calls run as your uid, as the line says")
+    uids = [int(run_python("import os; print(os.getuid())")[0]) for _ in range(2)]
+    assert 0 not in uids and os.getuid() not in uids and uids[0] != uids[1], uids
+
+
+# -----------------------------------------------------------------------------
+# everything it starts ends with the call
 
 
 def test_infinite_loop_times_out():
@@ -58,9 +150,9 @@ def test_infinite_loop_times_out():
 
 
 def test_fork_bomb_is_limited_and_nothing_of_it_remains(mode):
-    """Fails if RLIMIT_NPROC does not bind (more than PY_LIMITS' processes at once) or if any process the bomb
+    """Fails if RLIMIT_NPROC does not bind (more processes at once than the line's) or if any process the bomb
     started outlives the call."""
-    marker = f"{1000 + uuid.uuid4().int % 10**6}.{os.getpid()}"
+    marker = new_marker()
     code = (
         "import os\n"
         "while True:\n"
@@ -78,36 +170,90 @@ def test_fork_bomb_is_limited_and_nothing_of_it_remains(mode):
         most = max(most, len(marked(marker)))
         time.sleep(0.05)
     assert box[0][1] == "timed out after 2 s" and time.monotonic() - start < BOUND
-    assert 0 < most <= PY_LIMITS["RLIMIT_NPROC"], most
-    assert marked(marker) == []
-
-
-@pytest.fixture(params=["detected", "no namespaces"])
-def mode(request, monkeypatch):
-    """The sandbox as detected here, and without namespaces (where the kill by uid alone must reach everything)."""
-    conf, line = envs._sandbox()
-    exe = os.path.realpath("/usr/bin/python3")  # one its uid can run without the mount namespace's help
-    if request.param == "no namespaces" and (conf["uid"] is None or not os.path.exists(exe)):
-        pytest.skip("not root (only the process group is killed: the line says so), or no /usr/bin/python3")
-    if request.param == "no namespaces":
-        monkeypatch.setattr(envs, "_sandbox", lambda: ({**conf, "ns": False, "reveal": [], "exe": exe}, line))
-    return request.param
+    assert 0 < most <= processes(mode), (most, mode)
+    assert gone(lambda: marked(marker), 0) == []
 
 
 @pytest.mark.parametrize("escape", [False, True])
 def test_background_processes_are_gone_after_the_reply(escape, mode):
     """Fails if a process the program started (escape: one that left the session and cleared its parent-death
     signal) still runs once the call has returned, after an exit or a timeout: the wrapper reaped before its pid
-    namespace has emptied (a race: caught in about half the runs), or (no namespaces) the uid's processes not
-    killed until none is left."""
-    marker = f"{2000 + uuid.uuid4().int % 10**6}.{os.getpid()}"
+    namespace has emptied, or (no namespaces) the uid's processes not killed until none is left."""
+    marker, n = new_marker(), min(20, processes(mode) - 1)
     leave = "os.setsid(); ctypes.CDLL(None).prctl(1, 0)\n    " if escape else ""
     sleep = f"os.execv('/bin/sleep', ['sleep', '{marker}'])"  # 20 of them: their end takes a while to complete
-    code = f"import ctypes, os\nfor _ in range(20):\n  if os.fork() == 0:\n    {leave}{sleep}\nprint('ok', flush=True)"
+    code = f"import ctypes, os\nfor _ in range({n}):\n  if os.fork() == 0:\n    {leave}{sleep}\nprint('ok', flush=True)"
     for timeout_code in "", "\nwhile True:\n    pass":
         text, status = run_python(code + timeout_code, timeout=1)
         assert text.startswith("ok")
-        assert marked(marker) == [], (escape, status)
+        assert gone(lambda: marked(marker), 0) == [], (escape, status)
+
+
+@pytest.mark.parametrize("first", ["kill", "fork"])
+def test_the_program_cannot_signal_its_wrapper_and_stay(mode, first):
+    """Issue 43.1. Fails if the program can SIGKILL the wrapper (kill(0): it shares the wrapper's process group and
+    uid) and then, out of the session and with no parent-death signal, outlive the call with what it started: the
+    program as its pid namespace's init (immune to its own kill), or a child of it that did the same."""
+    marker = new_marker()
+    escape = f"ctypes.CDLL(None).prctl(1, 0)\nos.kill(0, signal.SIGKILL)\nos.setsid()\n{sleeper(marker)}"
+    if first == "fork":  # a child does it: the program itself may not survive its own kill(0)
+        escape = "if os.fork() == 0:\n" + "".join(f"    {line}\n" for line in escape.splitlines())
+    code = f"import ctypes, os, signal, time\n{escape}time.sleep(30)\n"
+    run_python(code, timeout=2)
+    assert gone(lambda: marked(marker) + wrappers(os.getpid()), 0) == []
+
+
+def test_a_stopped_group_does_not_stall_the_call(mode):
+    """Issue 43.3. Fails if a program that SIGSTOPs its process group (the wrapper too, where it shares it) makes the
+    call wait on a stopped process (the kill path waiting 10 s for a stopped wrapper) or leaves anything running."""
+    marker = new_marker()
+    start = time.monotonic()
+    text, status = run_python(sleeper(marker) + "import signal\nos.killpg(0, signal.SIGSTOP)\n", timeout=1)
+    assert status == "timed out after 1 s" and time.monotonic() - start < BOUND, status
+    assert gone(lambda: marked(marker) + wrappers(os.getpid()), 0) == []
+
+
+def test_a_killed_caller_leaves_nothing(mode):
+    """Issue 43.2. Fails if, the caller SIGKILLed mid-call (as the OOM killer does), the wrapper, the program or what
+    it started survive: a parent-death signal set before the uid change (which clears it), or none on the init."""
+    if "may outlive a killed caller" in mode:
+        pytest.skip("the line says a killed caller may leave its processes here")
+    marker = new_marker()
+    script = "import json, sys\nsys.path.insert(0, sys.argv[1])\nimport sandbox\n"
+    script += "sandbox._run(json.loads(sys.argv[2]), sys.stdin.read(), 60)"  # the code not in its command line
+    conf = json.dumps(sandbox._sandbox()[0])
+    caller = subprocess.Popen([sys.executable, "-c", script, str(REPO), conf], stdin=subprocess.PIPE, text=True)
+    try:
+        with caller.stdin:
+            caller.stdin.write(sleeper(marker) + "import time\ntime.sleep(60)")
+        end = time.monotonic() + BOUND
+        while not marked(marker) and time.monotonic() < end:
+            time.sleep(0.05)
+        assert marked(marker), "the call did not start"
+    finally:
+        caller.kill()
+        caller.wait()
+    assert gone(lambda: marked(marker) + wrappers(caller.pid)) == []
+
+
+def test_the_reply_comes_after_everything_of_the_call_has_ended(monkeypatch):
+    """Issue 43.8. Fails if gsm8k_python's tool row answers a call (a timeout reply) while the call still runs: an
+    abandoned call keeps its sandbox, so more run at once than the env pool's workers."""
+    import extra_tasks
+
+    monkeypatch.setattr(sandbox, "PY_TIMEOUT", 1.0)
+    env = extra_tasks.python_tool(make_tokenizer())
+    row = env.make()
+    row.reset({})
+    marker = new_marker()
+    code = sleeper(marker) + "import signal, time\ntime.sleep(0.5)\nos.killpg(0, signal.SIGSTOP)\n"
+    text, error = row.run("python", (code,), {})
+    assert error and "timed out after 1 s" in text, text
+    assert marked(marker) + wrappers(os.getpid()) == []
+
+
+# -----------------------------------------------------------------------------
+# memory, files, network, sockets, /proc
 
 
 def test_ten_gb_allocation_is_a_memory_error():
@@ -116,20 +262,86 @@ def test_ten_gb_allocation_is_a_memory_error():
     assert status == "exit 1" and "MemoryError" in text
 
 
-def test_writes_outside_its_directory_fail(tmp_path):
-    """Fails if a write outside its directory lands: in /tmp, in $HOME, in a directory anyone may write (which
-    only Landlock stops: checked where the line says writes are confined), or if its own directory is not writable."""
+def rss_anon(pids):
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                total += sum(int(line.split()[1]) << 10 for line in f if line.startswith("RssAnon:"))
+        except OSError:  # ended meanwhile
+            pass
+    return total
+
+
+def test_memory_is_bounded_for_the_whole_call(mode):
+    """Issue 43.4. Fails if the call's processes together hold more than sandbox.PY_MEMORY at once: four processes of
+    400 MiB each (1.6 GB) under a per-process limit alone. Summed over processes as the kernel counts their own
+    memory (RssAnon), sampled while they hold it."""
+    if "for the whole call" not in mode and "processes NOT bounded" in mode:
+        pytest.skip("the line bounds no call's memory here")
+    marker = new_marker()
+    hog = "b = b'x' * (400 << 20)\nimport time\ntime.sleep(60)"
+    code = (
+        "import os, sys, time\nfor _ in range(4):\n    try:\n        if os.fork() == 0:\n"
+        f"            os.execv(sys.executable, [sys.executable, '-c', {hog!r}, '{marker}'])\n"
+        "    except OSError:\n        pass\ntime.sleep(60)\n"
+    )
+    most, box = 0, []
+    worker = threading.Thread(target=lambda: box.append(run_python(code, timeout=3)))
+    worker.start()
+    while worker.is_alive():
+        most = max(most, rss_anon(marked(marker)))
+        time.sleep(0.02)
+    assert most <= sandbox.PY_MEMORY, (most >> 20, mode)
+    assert gone(lambda: marked(marker), 0) == []
+
+
+def test_writes_outside_its_directory_fail(tmp_path, mode):
+    """Fails if a write outside its directory lands: in /tmp, in $HOME, in the interpreter's directory (writable by
+    its owner, the program's uid in a user namespace: a read-only bind there), in a directory anyone may write (which
+    only Landlock or the mount namespace stop: checked where the line says writes are confined), or if its own
+    directory is not writable."""
     open_dir = tmp_path / "open"
     open_dir.mkdir()
     open_dir.chmod(0o777)
     targets = [f"/tmp/grpo_marker_{uuid.uuid4().hex}", os.path.expanduser(f"~/grpo_marker_{uuid.uuid4().hex}")]
-    if "writes only in its dir" in sandbox_protections():
+    targets.append(os.path.join(os.path.realpath(sys.base_prefix), f"grpo_marker_{uuid.uuid4().hex}"))
+    if "writes only in its dir" in mode or "namespaces:" in mode:
         targets.append(str(open_dir / "marker"))
     for target in targets:
-        text, status = run_python(f"open({target!r}, 'w').write('x')\n")
-        assert status == "exit 1" and "Error" in text, (target, text)
+        run_python(f"open({target!r}, 'w').write('x')\n")  # with namespaces its /tmp is its own dir: no error
         assert not os.path.exists(target), target
     assert run_python("open('mine.txt', 'w').write('x'); print(open('mine.txt').read())") == ("x\n", None)
+
+
+def test_file_size_and_disk_are_bounded(mode):
+    """Fails if a file may grow past the line's size (RLIMIT_FSIZE: 17 MiB written in one file), or, where the line
+    says its dir is a tmpfs of that size, if its files together may grow past it (three files of 15 MiB)."""
+    code = (
+        "import os\ntry:\n    open('big', 'wb').write(b'x' * (17 << 20))\nexcept OSError as e:\n    print(e.errno)\n"
+        "os.remove('big')\nfor i in range(3):\n    try:\n        open(f'f{i}', 'wb').write(b'x' * (15 << 20))\n"
+        "    except OSError as e:\n        print(e.errno)\nprint(sum(os.path.getsize(f) for f in os.listdir('.')))\n"
+    )
+    text, status = run_python(code)
+    lines = text.split()
+    files = int(mode.split(" MiB files")[0].rsplit(" ", 1)[1])
+    assert status is None and files == 16 and lines[0] == "27", text  # EFBIG
+    if "32m tmpfs dir" in mode:
+        assert lines[1] == "28" and int(lines[-1]) <= 32 << 20, text  # ENOSPC
+    assert 2 * (15 << 20) <= int(lines[-1]), text  # up to the bound, it is written
+
+
+def test_a_private_tmpdir_works(tmp_path, monkeypatch, mode):
+    """Issue 43.6. Fails if a $TMPDIR others cannot enter (a batch scheduler's 0700 one) breaks calls or their
+    detection: the fresh uid cannot reach a work dir made there by path."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setenv("TMPDIR", str(private))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    assert run_python("print(6 * 7)") == ("42\n", None)
+    assert tempfile.gettempdir() == str(private)  # where a work dir would be made
+    if mode == DETECT()[1]:  # detection too
+        assert DETECT.__wrapped__()[1] == mode
 
 
 def test_the_parents_environment_is_not_readable(monkeypatch):
@@ -147,44 +359,103 @@ def test_the_parents_environment_is_not_readable(monkeypatch):
     )
     text, status = run_python(code)
     lines = text.splitlines()
-    assert status is None and lines[0] == f"None {sorted(envs.PY_ENV)}" and "True" not in lines[1:], text
+    assert status is None and lines[0] == f"None {sorted(sandbox.PY_ENV)}" and "True" not in lines[1:], text
 
 
-def test_a_megabyte_of_output_is_capped():
-    """Fails if the output is read without a cap (1 MB buffered and the program left to finish) or shown uncut."""
-    start = time.monotonic()
-    text, status = run_python("import sys\nsys.stdout.write('x' * 2**20)\nimport time\ntime.sleep(30)")
-    assert status == f"stopped after {envs.PY_READ} bytes of output", status
-    assert len(text) < PY_SHOW + 40 and time.monotonic() - start < BOUND
+def test_host_files_and_other_processes_are_not_readable(tmp_path, mode):
+    """Issue 43.7. Fails if, where the line says its pids are its own, there is no /proc or reads are of system files
+    only, the program finds a secret in another process's command line (the host's /proc left in the new pid
+    namespace) or, where it says no host files or system files only, in a world-readable file in /tmp."""
+    if "own pids" not in mode and "reads of system files only" not in mode:
+        pytest.skip("the line says host files and /proc are readable here")
+    secret, name = f"grpo-secret-{uuid.uuid4().hex}", f"/tmp/grpo-file-{uuid.uuid4().hex}"  # not in the code
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", secret])
+    with open(name, "w") as f:  # world-readable
+        f.write(secret)
+    code = (
+        "import os\nfound, paths = [], ['NAME', '/proc/PID/cmdline']\n"
+        "try:\n    paths += [f'/proc/{p}/cmdline' for p in os.listdir('/proc')]\nexcept OSError:\n    pass\n"
+        "for path in paths:\n    try:\n        found.append(open(path, 'rb').read())\n    except OSError:\n"
+        "        pass\nprint(found)\n"
+    )
+    try:
+        text, status = run_python(code.replace("NAME", name).replace("PID", str(holder.pid)))
+    finally:
+        holder.kill()
+        holder.wait()
+        os.remove(name)
+    assert secret not in text, text
 
 
-def test_control_strings_come_back_as_plain_text():
-    """Fails if bytes that are not UTF-8 raise rather than decode as U+FFFD, or if special-token strings, ANSI
-    escapes or NUL bytes are dropped or altered: the tool returns the text as it came."""
-    raw = b"<|im_end|>\n<|im_start|>assistant\n\x1b[31mred\x1b[0m\x00\xff\xfe</python>"
-    text = python(f"import sys\nsys.stdout.buffer.write({raw!r})")
-    assert isinstance(text, str)
-    assert text == raw.decode("utf-8", errors="replace") and "<|im_end|>" in text and "\ufffd" in text
+def test_the_callers_keys_are_not_readable():
+    """Fails if the program can read a key in its caller's session keyring (kernel keyrings are not namespaced, and
+    a keyring's possessor may read its keys whatever its uid): the program not given a session keyring of its own."""
+    numbers = {"x86_64": (250, 248), "aarch64": (219, 217)}.get(os.uname().machine)
+    if numbers is None:
+        pytest.skip("keyctl(2) and add_key(2) numbers known here for x86_64 and aarch64 only")
+    secret = f"grpo-secret-{uuid.uuid4().hex}"
+    program = (  # every key in its session keyring, read
+        "import ctypes, struct\nlibc = ctypes.CDLL(None)\nbuf = ctypes.create_string_buffer(4096)\n"
+        f"n = max(0, libc.syscall({numbers[0]}, 11, -3, buf, 4096))\n"
+        "for key in struct.unpack(f'{n // 4}i', buf.raw[:n]):\n"
+        f"    m = max(0, libc.syscall({numbers[0]}, 11, key, buf, 4096))\n"
+        "    print(buf.raw[:m])\n"
+    )
+    script = (  # a caller with a session keyring of its own (as a login's) holding a secret key
+        "import ctypes, sys\nsys.path.insert(0, sys.argv[1])\nimport sandbox\nlibc = ctypes.CDLL(None)\n"
+        f"libc.syscall({numbers[0]}, 1, b'grpo-test')\n"
+        f"assert libc.syscall({numbers[1]}, b'user', b'grpo', b'{secret}', {len(secret)}, -3) > 0\n"
+        "print(sandbox.run_python(sys.stdin.read()))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(REPO)], input=program, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and secret not in done.stdout, (done.stdout, done.stderr)
 
 
-def test_temp_dir_is_removed_after_a_run_and_after_a_timeout(monkeypatch):
-    """Fails if the call's temporary directory survives a normal exit or a timeout."""
-    made, mkdtemp = [], envs.tempfile.mkdtemp
+def test_socket_files_and_abstract_sockets_are_not_reached(tmp_path, mode):
+    """Issue 43.5. Fails if the program connects to a world-writable unix socket file in /tmp (as /tmp/.X11-unix/X0,
+    the D-Bus socket or /dev/log are) where the line says no host sockets, or to an abstract unix socket where the
+    line says there is no network or no abstract sockets out; the listener must have received nothing."""
+    path = f"/tmp/grpo-sock-{uuid.uuid4().hex}"
+    abstract = f"\0grpo-sock-{uuid.uuid4().hex}"
+    targets = []
+    if "no host files or sockets" in mode or "no network" in mode:
+        targets.append(path)
+    if "no network" in mode or "abstract sockets out" in mode:
+        targets.append(abstract)
+    if not targets:
+        pytest.skip("the line says unix sockets are reachable here")
+    servers = []
+    for target in targets:
+        server = socket.socket(socket.AF_UNIX)
+        server.bind(target)
+        server.listen()
+        server.setblocking(False)
+        servers.append(server)
+    if path in targets:  # anyone may connect, as to /tmp/.X11-unix/X0
+        os.chmod(path, 0o777)
+    try:
+        for target in targets:
+            code = (
+                f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({target!r})\ns.send(b'hi')\nprint('sent')"
+            )
+            text, status = run_python(code)
+            assert status == "exit 1" and "sent" not in text, (target, text)
+        for server in servers:
+            with pytest.raises(BlockingIOError):
+                server.accept()
+    finally:
+        for server in servers:
+            server.close()
+        if os.path.exists(path):
+            os.unlink(path)
 
-    def spy(**kw):
-        made.append(mkdtemp(**kw))
-        return made[-1]
 
-    monkeypatch.setattr(envs.tempfile, "mkdtemp", spy)
-    run_python("open('f', 'w').write('x' * 1000)")
-    run_python("open('f', 'w').write('x')\nwhile True:\n    pass", timeout=1)
-    assert len(made) == 2 and not any(os.path.exists(d) for d in made)
-
-
-def test_network_is_cut_where_the_line_says_so():
-    """Fails if, where the start-up line says there is no network, a connection to a port listening on the
-    caller's loopback gets through."""
-    if "no network" not in sandbox_protections():
+def test_network_is_cut_where_the_line_says_so(mode):
+    """Fails if, where the start-up line says there is no network or no TCP, a connection to a port listening on
+    the caller's loopback gets through."""
+    if "no network" not in mode and "no TCP" not in mode:
         pytest.skip("the network is not cut here: the start-up line says so")
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
@@ -199,6 +470,45 @@ def test_network_is_cut_where_the_line_says_so():
     assert status == "exit 1" and "connected" not in text.splitlines()
 
 
+# -----------------------------------------------------------------------------
+# output, clean-up, concurrency
+
+
+def test_a_megabyte_of_output_is_capped():
+    """Fails if the output is read without a cap (1 MB buffered and the program left to finish) or shown uncut."""
+    start = time.monotonic()
+    text, status = run_python("import sys\nsys.stdout.write('x' * 2**20)\nimport time\ntime.sleep(30)")
+    assert status == f"stopped after {sandbox.PY_READ} bytes of output", status
+    assert len(text) < PY_SHOW + 40 and time.monotonic() - start < BOUND
+
+
+def test_control_strings_come_back_as_plain_text():
+    """Fails if bytes that are not UTF-8 raise rather than decode as U+FFFD, or if special-token strings, ANSI
+    escapes or NUL bytes are dropped or altered: the tool returns the text as it came."""
+    raw = b"<|im_end|>\n<|im_start|>assistant\n\x1b[31mred\x1b[0m\x00\xff\xfe</python>"
+    text = python(f"import sys\nsys.stdout.buffer.write({raw!r})")
+    assert isinstance(text, str)
+    assert text == raw.decode("utf-8", errors="replace") and "<|im_end|>" in text and "\ufffd" in text
+
+
+def test_temp_dir_and_cgroup_are_removed_after_a_run_and_after_a_timeout(monkeypatch, mode):
+    """Fails if the call's host temporary directory (made without namespaces) or its cgroup survives a normal exit
+    or a timeout."""
+    made, mkdtemp = [], tempfile.mkdtemp
+
+    def spy(**kw):
+        made.append(mkdtemp(**kw))
+        return made[-1]
+
+    monkeypatch.setattr(sandbox.tempfile, "mkdtemp", spy)
+    conf = sandbox._sandbox()[0]
+    run_python("open('f', 'w').write('x' * 1000)")
+    run_python("open('f', 'w').write('x')\nwhile True:\n    pass", timeout=1)
+    assert len(made) == (0 if conf["ns"] else 2) and not any(os.path.exists(d) for d in made)
+    if conf["cgroup"]:
+        assert not [d for d in os.listdir(conf["cgroup"]) if d.startswith(f"grpo-python-{os.getpid()}-")]
+
+
 def test_calls_run_side_by_side():
     """Fails if calls are serialised (a lock around the run, the GIL held while waiting): four 2 s programs at
     once would take 8 s."""
@@ -211,32 +521,60 @@ def test_calls_run_side_by_side():
     assert box == [("", None)] * 4 and time.monotonic() - start < 7.0
 
 
-@pytest.mark.real_model
-def test_real_gsm8k_python_rollout(real_model):
-    """gsm8k_python on SmolLM2: row 0 is made to call python (a forced prefix), row 1 decodes greedily (script -1:
-    its own choice). Fails if the call does not run in the sandbox, if its reply is not fed as env_mask tokens (no
-    loss) and decoding does not go on, or if the calls counted disagree with the replies in the trajectory."""
+# -----------------------------------------------------------------------------
+# gsm8k_python on SmolLM2
+
+
+def python_rollout(real_model, gsm8k_dir, monkeypatch, program, budget):
+    """gsm8k_python on SmolLM2, 2 GSM8K test questions: row 0 made to call python with program (a forced prefix), row
+    1 decoding greedily (script -1: its own choice) -> (rollout, the call's ids, the env)."""
     import extra_tasks
-    from rollout import sample
+    from rollout import Sampler, sample
     from test_tool_rollouts import Forced
 
     model, tok = real_model
-    task = extra_tasks.get("gsm8k_python")
-    env = task.tools(tok, 2)
+    monkeypatch.setenv("GSM8K_DIR", str(gsm8k_dir[0]))  # the canonical files, else the sample: no download
+    task = extra_tasks.get("gsm8k_python", {"max_tool_calls": 2})
+    env = task.env(tok)
     assert isinstance(env, ToolEnv) and env.format == "tags"
-    examples = task.load("test")[:2]
-    call = tok("<python>print(3 * 4 + 5)</python>", add_special_tokens=False)["input_ids"]
-    reply = tok(env.reply("python", "17\n"), add_special_tokens=False)["input_ids"]
+    call = tok(f"<python>{program}</python>", add_special_tokens=False)["input_ids"]
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    prompts = [task.prompt(ex) for ex in examples]
+    prompts = [task.prompt(ex) for ex in task.load("test")[:2]]
+    budget = len(call) + budget
+    greedy = Sampler(temperature=0.0)
     r = sample(
-        Forced(model, [call, [-1]]), tok, prompts, 1, len(call) + len(reply) + 24, [end], temperature=0.0, env=env
+        Forced(model, [call, [-1]]), tok, prompts, 1, max_new_tokens=budget, stop_ids=[end], sampler=greedy, env=env
     )
+    return r, call, env
+
+
+@pytest.mark.real_model
+def test_real_gsm8k_python_rollout(real_model, gsm8k_dir, monkeypatch):
+    """Fails if the call does not run in the sandbox, if its reply is not fed as env_mask tokens (no loss) and
+    decoding does not go on, if the calls counted disagree with the replies in the trajectory, or if the test needs
+    GSM8K_DIR set or a download (it reads the canonical files, else tests/gsm8k_sample.jsonl)."""
+    tok = real_model[1]
+    r, call, env = python_rollout(real_model, gsm8k_dir, monkeypatch, "print(3 * 4 + 5)", 64 + 24)
+    reply = tok(env.reply("python", "17\n"), add_special_tokens=False)["input_ids"]
     n, m = len(call), len(call) + len(reply)
     assert r.completion_ids[0, :n].tolist() == call and r.completion_ids[0, n:m].tolist() == reply
     assert r.env_mask[0, n:m].all() and not r.env_mask[0, :n].any() and r.completion_mask[0, m]
-    assert r.tool_calls[0] >= 1 and r.tool_errors[0] == 0
+    assert r.env_state[0]["tool_calls"] >= 1 and r.env_state[0]["tool_errors"] == 0
     for i in range(2):  # each reply a run of env tokens, one call counted per run
         spans = int((r.env_mask[i, 1:] & ~r.env_mask[i, :-1]).sum()) + int(r.env_mask[i, 0])
-        assert r.tool_calls[i] == spans, i
+        assert r.env_state[i]["tool_calls"] == spans, i
     assert not (r.completion_mask.bool() & r.env_mask).any() and torch.all(r.sample_logp[r.env_mask] == 0)
+
+
+@pytest.mark.real_model
+def test_real_failing_call_reply_shows_the_error(real_model, gsm8k_dir, monkeypatch):
+    """Issue 42. Fails if, after a failing call (print(48 / 0)), the reply tokens the model reads (cut to
+    max_reply_tokens, 64, from their head) do not hold the error's last line: a traceback shown from its start, whose
+    'ZeroDivisionError: division by zero' falls past token 64 with SmolLM2's tokenizer."""
+    tok = real_model[1]
+    r, call, env = python_rollout(real_model, gsm8k_dir, monkeypatch, "print(48 / 0)", 64 + 24)
+    n = len(call)
+    length = int(r.env_mask[0, n:].long().cumprod(0).sum())  # the reply: the env tokens right after the call
+    assert 0 < length and env.max_reply_tokens == 64
+    read = tok.decode(r.completion_ids[0, n : n + length])
+    assert r.env_state[0]["tool_errors"] == 1 and "ZeroDivisionError: division by zero" in read, read

@@ -1,17 +1,17 @@
 import doctest
 import hashlib
-import json
-import os
 import re
+from types import SimpleNamespace
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB, make_tokenizer
+from conftest import FULL, FULL_COUNTS, VOCAB, make_tokenizer
 
 import extra_tasks
+import gsm8k
 import tasks
-from rewards import combine_rewards
+from rewards import REWARDS, combine_rewards
 from extra_tasks import PROMPT as ARITH_STEPS_SYSTEM_PROMPT
 from extra_tasks import arith_step_rewards, load_arith_steps, step_positions
 from tasks import ARITH_SYSTEM_PROMPT, SYSTEM_PROMPT, TASKS, DataError, Task, load_arith, load_gsm8k
@@ -22,13 +22,6 @@ REPO = Path(__file__).resolve().parent.parent
 def test_docstring_examples():
     result = doctest.testmod(extra_tasks)
     assert result.attempted > 0 and result.failed == 0  # a module whose examples were all lost runs none
-
-
-FULL = Path(os.environ.get("GSM8K_DIR") or REPO.parent / "shared" / "data" / "gsm8k")  # the canonical files, if here
-FULL_COUNTS = {"train": 7473, "test": 1319}
-# 5 train and 5 test lines, the first of each file, of openai/grade-school-math (MIT License, Copyright (c) 2021
-# OpenAI; https://github.com/openai/grade-school-math), each with its split added: no network in tests
-SAMPLE = REPO / "tests" / "gsm8k_sample.jsonl"
 
 
 @pytest.fixture
@@ -43,27 +36,11 @@ def gsm8k_full():
 
 
 @pytest.fixture
-def gsm8k_dir(tmp_path):
-    """(a GSM8K dir, {split: its number of examples}): the canonical files if kept beside the repo, else train.jsonl
-    and test.jsonl written from tests/gsm8k_sample.jsonl, so these tests run on a fresh clone too."""
-    if all((FULL / f"{split}.jsonl").is_file() for split in FULL_COUNTS):
-        return FULL, FULL_COUNTS
-    lines = {"train": [], "test": []}
-    for line in SAMPLE.read_text(encoding="utf-8").splitlines():
-        row = json.loads(line)
-        lines[row.pop("split")].append(json.dumps(row) + "\n")  # the file's own line, byte for byte
-    (tmp_path / "gsm8k").mkdir()
-    for split, rows in lines.items():
-        (tmp_path / "gsm8k" / f"{split}.jsonl").write_text("".join(rows), encoding="utf-8")
-    return tmp_path / "gsm8k", {split: len(rows) for split, rows in lines.items()}
-
-
-@pytest.fixture
 def offline_cache(tmp_path, monkeypatch):
     """An empty cache, no GSM8K_DIR, and a download URL that cannot connect."""
     monkeypatch.delenv("GSM8K_DIR", raising=False)
     monkeypatch.setenv("GRPO_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(tasks, "GSM8K_URL", "http://127.0.0.1:9/{split}.jsonl")
+    monkeypatch.setattr(gsm8k, "GSM8K_URL", "http://127.0.0.1:9/{split}.jsonl")
     return tmp_path / "cache" / "gsm8k"
 
 
@@ -83,7 +60,7 @@ def test_gsm8k_counts_and_first_gold(gsm8k_dir):
 
 def test_gsm8k_sha256_and_counts_are_the_canonical_files(gsm8k_full):
     for split, n in FULL_COUNTS.items():
-        assert hashlib.sha256((gsm8k_full / f"{split}.jsonl").read_bytes()).hexdigest() == tasks.GSM8K_SHA256[split]
+        assert hashlib.sha256((gsm8k_full / f"{split}.jsonl").read_bytes()).hexdigest() == gsm8k.GSM8K_SHA256[split]
         assert len(load_gsm8k(split, gsm8k_full)) == n
 
 
@@ -158,17 +135,17 @@ def test_gsm8k_offline_without_copy_says_what_to_do(offline_cache):
 def test_gsm8k_download_checks_sha_and_caches(gsm8k_dir, offline_cache, monkeypatch):
     d, counts = gsm8k_dir
     if counts != FULL_COUNTS:  # the sample: its sha256 stands in for the canonical file's (checked where that is)
-        monkeypatch.setitem(tasks.GSM8K_SHA256, "test", hashlib.sha256((d / "test.jsonl").read_bytes()).hexdigest())
-    monkeypatch.setattr(tasks, "GSM8K_URL", d.as_uri() + "/{split}.jsonl")  # file:// stands in
+        monkeypatch.setitem(gsm8k.GSM8K_SHA256, "test", hashlib.sha256((d / "test.jsonl").read_bytes()).hexdigest())
+    monkeypatch.setattr(gsm8k, "GSM8K_URL", d.as_uri() + "/{split}.jsonl")  # file:// stands in
     assert len(load_gsm8k("test")) == counts["test"]
     assert sorted(p.name for p in offline_cache.iterdir()) == ["test.jsonl"]
-    monkeypatch.setattr(tasks, "GSM8K_URL", "http://127.0.0.1:9/{split}.jsonl")
+    monkeypatch.setattr(gsm8k, "GSM8K_URL", "http://127.0.0.1:9/{split}.jsonl")
     assert len(load_gsm8k("test")) == counts["test"]  # second time from the cache, no download
 
 
 def test_gsm8k_download_sha_mismatch(offline_cache, tmp_path, monkeypatch):
     (tmp_path / "test.jsonl").write_text('{"question": "q", "answer": "#### 1"}\n')
-    monkeypatch.setattr(tasks, "GSM8K_URL", tmp_path.as_uri() + "/{split}.jsonl")
+    monkeypatch.setattr(gsm8k, "GSM8K_URL", tmp_path.as_uri() + "/{split}.jsonl")
     with pytest.raises(DataError, match="sha256"):
         load_gsm8k("test")
     assert not (offline_cache / "test.jsonl").exists()
@@ -318,9 +295,14 @@ def test_step_positions_by_hand():
     lengths = torch.tensor([3, 3, 0, 4])  # tokens before the stop token
     texts = ["w1 w2 w3", "w4 w5", "", "w6 w7 w8 w9"]
     assert [tok.decode(r[:n], skip_special_tokens=True) for r, n in zip(rows, lengths)] == texts
-    ends, values, mask = step_positions(
-        word_steps, tok, torch.tensor(rows), lengths, texts, [{"w": 1.0}, {"w": 0.5}], group_size=2
+    rollout = SimpleNamespace(
+        completion_ids=torch.tensor(rows),
+        completion_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 1, 1]]),  # to the stop
+        truncated=torch.tensor([False, False, False, True]),
+        completions=texts,
+        examples=[{"w": 1.0}, {"w": 1.0}, {"w": 0.5}, {"w": 0.5}],
     )
+    ends, values, mask = step_positions(word_steps, tok, rollout)
     assert ends.dtype == torch.long and mask.dtype == torch.bool
     assert ends.tolist() == [[0, 1, 2, 0], [0, 2, 0, 0], [0, 0, 0, 0], [0, 1, 2, 3]]  # padding steps: 0
     assert values.tolist() == [[0, 1, 2, 0], [0, 1, 0, 0], [0, 0, 0, 0], [0, 0.5, 1, 1.5]]  # group 1: w = 0.5
@@ -350,9 +332,14 @@ def test_step_positions_is_the_token_that_completes_the_character(smol_tok):
     def every_char(t, ex):
         return [(i + 1, float(i)) for i in range(len(t))]
 
-    ends, values, mask = step_positions(
-        every_char, smol_tok, torch.tensor([ids + [smol_tok.eos_token_id]]), [len(ids)], [text], [{}], 1
+    rollout = SimpleNamespace(
+        completion_ids=torch.tensor([ids + [smol_tok.eos_token_id]]),
+        completion_mask=torch.ones(1, len(ids) + 1, dtype=torch.long),
+        truncated=torch.tensor([False]),
+        completions=[text],
+        examples=[{}],
     )
+    ends, values, mask = step_positions(every_char, smol_tok, rollout)
     assert mask.all() and values[0].tolist() == list(range(len(text)))
     for end, k in zip(range(1, len(text) + 1), ends[0].tolist()):
         # the last token whose span covers character end-1 (a split character: its last byte's token)
@@ -381,15 +368,14 @@ def test_step_positions_of_arith_steps_are_each_lines_last_token(smol_tok):
             want_values.append([r for _, r in arith_step_rewards(texts[-1], {"answer": gold})])
     C = max(map(len, rows)) + 1
     completion_ids = torch.tensor([r + [smol_tok.eos_token_id] * (C - len(r)) for r in rows])  # (4, C)
-    ends, values, mask = step_positions(
-        arith_step_rewards,
-        smol_tok,
-        completion_ids,
-        [len(r) for r in rows],
-        texts,
-        [{"answer": g} for g in groups],
-        group_size=2,
+    rollout = SimpleNamespace(
+        completion_ids=completion_ids,
+        completion_mask=(torch.arange(C)[None] <= torch.tensor([len(r) for r in rows])[:, None]).long(),  # + stop
+        truncated=torch.zeros(len(rows), dtype=torch.bool),
+        completions=texts,
+        examples=[{"answer": g} for g in groups for _ in range(2)],  # each row's example
     )
+    ends, values, mask = step_positions(arith_step_rewards, smol_tok, rollout)
     assert [e[m].tolist() for e, m in zip(ends, mask)] == want_ends
     assert [v[m].tolist() for v, m in zip(values, mask)] == want_values == [[1, 1, 0, 1], [0, 0], [0, 1], [1]]
     assert values[mask].mean().item() == pytest.approx(5 / 9)  # what the loop logs as reward/step
@@ -400,26 +386,24 @@ def test_step_positions_of_arith_steps_are_each_lines_last_token(smol_tok):
 
 
 def test_tasks_table():
-    """Fails if a task moves between the default path and extra_tasks.py, shares its weights dict with another, or
+    """Fails if a task moves between the default path and extra_tasks.py, names a reward no dict holds, or
     extra_tasks.get accepts an unknown name."""
-    assert set(TASKS) == {"gsm8k", "arith"}
+    assert {"gsm8k", "arith"} <= set(TASKS) and not set(TASKS) & set(extra_tasks.EXTRA)
     assert {"arith_steps", "arith_tool", "arith_mul", "arith_tool_mixed", "arith_retry", "gsm8k_python"} <= set(
         extra_tasks.EXTRA
     )
     every = {**TASKS, **extra_tasks.EXTRA}
-    for task in every.values():
-        assert set(task.reward_weights) == set(task.reward_fns)
-    weights = [id(task.reward_weights) for task in every.values()]
-    assert len(set(weights)) == len(weights)  # editing one task's weights leaves the others
+    for task in every.values():  # each weight names a reward: the task's own, else rewards.REWARDS'
+        assert set(task.reward_weights) <= {*REWARDS, *task.reward_fns}
     text = "4 * 2 = 8\n#### 8"
     assert extra_tasks.get("arith_steps").step_rewards(text, {"answer": "8"}) == arith_step_rewards(
         text, {"answer": "8"}
     )
     assert TASKS["gsm8k"].step_rewards is None and TASKS["arith"].step_rewards is None
-    assert {"arith_tool", "arith_tool_mixed", "arith_retry", "gsm8k_python"} <= {n for n, t in every.items() if t.tools}
-    assert not every["arith_mul"].tools
-    with pytest.raises(ValueError, match="unknown task 'arith_x'; tasks: arith, arith_mul, arith_retry, arith_steps"):
-        extra_tasks.get("arith_x")
+    assert {"arith_tool", "arith_tool_mixed", "arith_retry", "gsm8k_python"} <= {n for n, t in every.items() if t.env}
+    assert not every["arith_mul"].env
+    with pytest.raises(ValueError, match="unknown task 'no-such-task'; tasks: .*arith_retry"):
+        extra_tasks.get("no-such-task")
     assert Task(*range(5)).step_rewards is None  # five-field tasks still build
 
 
@@ -450,12 +434,17 @@ def test_score(completion, pred, strict, flexible, fmt):
         assert s == {"pred": pred, "strict": strict, "flexible": flexible, "format": fmt}
 
 
+def active(task):
+    """The reward fns a task trains on by default: its weights' names, its own fns before rewards.REWARDS'."""
+    return {k: {**REWARDS, **task.reward_fns}[k] for k in task.reward_weights}
+
+
 def test_task_rewards_combine():
     task = TASKS["arith"]
     examples = load_arith("test", n=2)
     completions = [f"#### {examples[0]['answer']}", "no idea"]
     total, per_fn = combine_rewards(
-        task.reward_fns, task.reward_weights, completions, answer=[e["answer"] for e in examples]
+        active(task), task.reward_weights, completions, answer=[e["answer"] for e in examples]
     )
     assert total == pytest.approx([1.1, 0.0]) and per_fn["format"] == [1.0, 0.0]
 
@@ -465,7 +454,7 @@ def test_arith_steps_rewards_combine():
     example = {"question": "What is 3 + 4 * 2 - 5?", "answer": "6"}
     completions = [CHAIN, CHAIN.replace("#### 6", "#### 5"), "6"]
     total, _ = combine_rewards(
-        task.reward_fns,
+        active(task),
         task.reward_weights,
         completions,
         num_tokens=[20, 20, 1],

@@ -179,15 +179,14 @@ def test_first_step_loss_and_gradient_are_grpo_loss_by_hand(model_dir, tmp_path,
     logp = logits[:, P - 1 : -1].log_softmax(-1).gather(-1, r.completion_ids[..., None]).squeeze(-1)  # (N, C)
     m = r.completion_mask
     assert_close_scaled(r.sample_logp, (logp * m).detach(), DECODE)  # sampled from the policy (conftest)
-    w = grpo.behaviour_weights(logp.detach(), r.sample_logp, m)[0]
     loss, _ = grpo.grpo_loss(
         logp,
         None,
         logp.detach(),
         adv.float(),
         m,
-        grpo.Objective(max_len=12),
-        behaviour_weights=w,
+        grpo.Objective(max_new_tokens=12),
+        sample_logp=r.sample_logp,
         num_sequences=torch.tensor(8.0),
         num_tokens=m.sum().float(),
     )
@@ -513,7 +512,8 @@ def hand_advantages(g, scale):
     """(r - group mean) / (std + 1e-4), the std unbiased over the group ("group") or all 8 rewards ("batch"), from the
     toy reward fns on the step's completions -> (N,) float64, and a bound on fp32's error in them: the centred
     rewards are off by a few eps32 of max|r|, which the division by std amplifies."""
-    r = torch.tensor(toy_rewards(g["r"].completions, [toy.prompt(e) for e in g["examples"]]), dtype=torch.float64)
+    prompts = [toy.prompt(e) for e in g["r"].examples[::G]]  # the rows' examples, one a group
+    r = torch.tensor(toy_rewards(g["r"].completions, prompts), dtype=torch.float64)
     r = r.view(-1, G)
     std = (r.std(1, keepdim=True) if scale == "group" else r.std()) + 1e-4
     adv = ((r - r.mean(1, keepdim=True)) / std).flatten()
@@ -527,7 +527,8 @@ def hand_mask(g, rows, c, mask_truncated):
 
 def hand_loss(call, adv, m, n_tok, beta, level, loss_type, eps_high, delta, quantile, **_):
     """One micro-batch's loss by DeepSeekMath eq. 3 written out in float64 (eps 0.2; k3 with x clamped to +-20 and
-    k3 to <= 10; the recorded behaviour weights) over a batch of 8 rows of <= 12 new tokens, n_tok of them valid
+    k3 to <= 10; the weights against the sampled log-probs, truncated) over a batch of 8 rows of <= 12 new tokens,
+    n_tok of them valid
     -> (loss, the same aggregate of |terms|: the size fp32's rounding of the loss is relative to)."""
 
     def f(x):
@@ -539,7 +540,9 @@ def hand_loss(call, adv, m, n_tok, beta, level, loss_type, eps_high, delta, quan
         log_ratio = (log_ratio.sum(1, keepdim=True) / m.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
     ratio, A = log_ratio.exp(), adv[:, None]
     capped = ratio if delta is None else ratio.clamp(max=delta)
-    terms = -torch.minimum(capped * A, ratio.clamp(0.8, 1 + eps_high) * A) * f(call["behaviour_weights"])
+    base = logp if call["old_logp"] is None else f(call["old_logp"])
+    w = (base - f(call["sample_logp"])).exp().clamp(max=2.0)  # pi_old / pi_sample, truncated at is_cap 2 (TIS)
+    terms = -torch.minimum(capped * A, ratio.clamp(0.8, 1 + eps_high) * A) * w
     if quantile < 1:  # the policy term only on this call's tokens with entropy >= its (1 - quantile) quantile
         h = f(call["entropy"])
         terms = terms * (h >= float(np.quantile(h[m].numpy(), 1 - quantile)))

@@ -107,7 +107,7 @@ def parity(word):
     return "even" if _index(word) % 2 == 0 else "odd"
 
 
-def score(completion, example):
+def score(completion, example, state=None):
     words = [w for w in completion.split() if _index(w) is not None]
     pred = parity(words[0]) if words else None
     return {
@@ -317,13 +317,15 @@ def save_that_fails(error, fraction):
 
 class WordTools:
     """envs.Tools' place on a word-level tokenizer (EnvDriver's `make`): a row's own word in `calls` is a call, one in
-    `errors` a call answered with an error; the reply is the text `reply`, framed by the chat template; past max_calls
-    a call gets an error reply too (and counts as one)."""
+    `errors` a call answered with an error; the reply is the text `reply` (replies: {word: its own reply} for more
+    calls), framed by the chat template; past max_calls a call gets an error reply too (and counts as one)."""
 
     turn_chars = None  # any word may be a call
 
-    def __init__(self, max_calls=4, calls=("w5",), errors=("w7",), reply="w2"):
+    def __init__(self, max_calls=4, calls=("w5",), errors=("w7",), reply="w2", replies=None):
         self.max_calls, self.calls, self.errors, self.reply = max_calls, set(calls), set(errors), reply
+        self.replies = replies or {}
+        self.calls |= set(self.replies)
 
     def __call__(self):
         return WordToolEnv(self)
@@ -341,19 +343,20 @@ class WordToolEnv:
         return not stopped and bool(words) and words[-1] in self.spec.calls | self.spec.errors
 
     def turn(self, text, stopped):
-        error = text.split()[-1] in self.spec.errors or self.calls >= self.spec.max_calls
+        word = text.split()[-1]
+        error = word in self.spec.errors or self.calls >= self.spec.max_calls
         self.calls, self.errors = self.calls + 1, self.errors + error
-        return self.spec.reply, False
+        return self.spec.replies.get(word, self.spec.reply), False
 
     def state(self):
-        return {"tool_calls": self.calls, "tool_errors": self.errors}
+        return {"tool_calls": self.calls, "tool_errors": self.errors, "called": float(self.calls > 0)}
 
 
-def word_tools(tokenizer, max_calls=4, max_reply_tokens=64, **_):
+def word_tools(tokenizer, *, max_tool_calls=4, max_reply_tokens=64):
     import envs
 
-    return envs.EnvDriver(WordTools(max_calls), tokenizer, max_reply_tokens)
+    return envs.EnvDriver(WordTools(max_tool_calls), tokenizer, max_reply_tokens)
 
 
 # the toy task, its rows calling WordToolEnv on w5 (w7: an error); TASKS["toy_tool"] in toy_train.py
-TOOL_TASK = TASK._replace(tools=word_tools)
+TOOL_TASK = TASK._replace(env=word_tools)
