@@ -135,9 +135,7 @@ def _autocast(model, dtype):
 
 
 def cast_once(device):
-    """A block in which autocast casts each weight once: its cache of casts lasts until the outermost autocast context
-    ends, and this one, disabled, is outermost around each micro-batch's autocast context and backward (which so run
-    as they would alone). The optimizer step, which changes the weights, comes after the block."""
+    """Outermost around micro-batches, a disabled autocast keeps autocast's cache of weight casts until it ends."""
     return torch.autocast(device.type, enabled=False)
 
 
