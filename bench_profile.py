@@ -1,0 +1,88 @@
+"""The training pass of bench.py's standard step, alone: its time under each attention implementation, and the top
+operators by self CPU time. One rollout (2 GSM8K prompts x 8, 128 new tokens, seed 0) is sampled once, then trained
+on as train.py does: micro-batches of 4 under bf16 autocast inside rollout.cast_once, prompt sharing on, each
+micro-batch's log-probs and entropy, then its backward (no optimizer step: every pass sees the same weights).
+
+    python bench_profile.py                      # this checkout: sdpa, sdpa_math, eager in turn, then the profile
+    python bench_profile.py --src DIR            # the rollout.py of another checkout (git archive REV | tar -x -C DIR)
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--src", default=os.path.dirname(os.path.abspath(__file__)), help="the checkout whose code runs")
+p.add_argument("--data-dir", help="GSM8K dir (else $GSM8K_DIR, else ../shared/data/gsm8k)")
+p.add_argument("--rounds", type=int, default=3, help="timed passes per attention implementation (median)")
+p.add_argument("--rows", type=int, default=12, help="profile rows printed")
+args = p.parse_args()
+sys.path.insert(0, os.path.abspath(args.src))
+
+import torch  # noqa: E402
+
+import rollout  # noqa: E402
+from models import load_model, load_tokenizer  # noqa: E402
+from tasks import TASKS  # noqa: E402
+
+torch.manual_seed(0)
+task, tok = TASKS["gsm8k"], load_tokenizer("smollm2-135m")
+model = load_model("smollm2-135m", torch.device("cpu")).train()
+prompts = [task.prompt(e) for e in task.load("train", data_dir=args.data_dir)[:2]]
+stops = rollout.stop_token_ids(tok, model)
+r = rollout.sample(
+    model,
+    tok,
+    prompts,
+    8,
+    max_new_tokens=128,
+    stop_ids=stops,
+    dtype=torch.bfloat16,
+    generator=torch.Generator().manual_seed(0),
+)
+
+
+def train_pass():
+    once = getattr(rollout, "cast_once", None)  # absent in a checkout without it: autocast per micro-batch
+    block = nullcontext()
+    if once is not None:
+        block = once(torch.device("cpu"))
+    with block:
+        for rows, ids, mask, c in rollout.micro_batches(r, 4):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logp, entropy, _ = rollout.token_logprobs(model, ids, mask, c, with_entropy=True, share=True)
+            (logp * r.completion_mask[rows, :c]).sum().backward()
+    model.zero_grad(set_to_none=True)
+
+
+def timed():
+    train_pass()  # warm-up
+    times = []
+    for _ in range(args.rounds):
+        t = time.perf_counter()
+        train_pass()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+ATTENTION = {  # name -> (the model's attn_implementation, whether SDPA may pick its fused CPU kernel)
+    "sdpa": ("sdpa", True),
+    "sdpa_math": ("sdpa", False),
+    "eager": ("eager", True),
+}
+lens = r.completion_mask.sum(1).float()
+print(f"# {time.strftime('%Y-%m-%d')} | {torch.get_num_threads()} threads | {args.src}")
+print(f"16 rows, completion lengths mean {lens.mean():.0f} max {lens.max():.0f}\n")
+print("| attention | training pass s (median) |\n|---|---:|")
+for name, (impl, fused) in ATTENTION.items():
+    model.set_attn_implementation(impl)
+    torch.backends.cuda.enable_flash_sdp(fused)  # the same switch picks SDPA's CPU kernel
+    print(f"| {name} | {timed():.2f} |", flush=True)
+model.set_attn_implementation("sdpa")
+torch.backends.cuda.enable_flash_sdp(True)
+with torch.profiler.profile() as prof:
+    train_pass()
+print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
