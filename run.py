@@ -75,14 +75,12 @@ def parse(p, ranges, constants, argv=None, knobs=()):
         constants.update({f.name: (f.default, None) for f in dataclasses.fields(cls) if f.name not in flags})
     keys = ", ".join(f"{k}={d!r}" for k, (d, _) in constants.items())
     p.epilog = textwrap.fill(f"config keys (--config FILE or --config name=value), with their defaults: {keys}", 100)
-    defaults = vars(p.parse_args([]))
     pre = p.parse_known_args(argv)[0]
     configs = [_config(p, c, flags | set(constants)) for c in pre.config]
     resume = user_path(pre.resume) or next((c["resume"] for c in reversed(configs) if c.get("resume")), None)
     values = {k: d for k, (d, _) in constants.items()}
+    defaults = {**vars(p.parse_args([])), **values}
     ckpt = None
-    saved = {}
-    defaults.update(values)
     if resume:
         try:
             ckpt_path, ckpt = load_checkpoint(resume)
@@ -147,12 +145,7 @@ def check(p, args, ranges, constants=None, nullable=None):
     >= 0 unless `ranges` says otherwise."""
     items = []  # (name, as the user wrote it, kind, choices, range, may be None)
     for a in p._actions:
-        if (
-            a.option_strings
-            and a.nargs not in ("+", "*")
-            and hasattr(args, a.dest)
-            and a.dest not in ("help", "config")
-        ):
+        if a.option_strings and a.nargs not in ("+", "*") and hasattr(args, a.dest) and a.dest != "config":
             none_ok = a.default is None if nullable is None else a.dest in nullable
             items.append((a.dest, a.option_strings[-1], _kind(a), a.choices, ranges.get(a.dest, ">= 0"), none_ok))
     for k, (d, spec) in (constants or {}).items():
@@ -181,10 +174,8 @@ def claim(out_dir, resume, overwrite):
         return f"--out-dir {out_dir} is a file: pass a directory"
     is_run = "run.json" in found
     if found and not is_run and not resume:
-        return (
-            f"--out-dir {out_dir} holds files that are not a run's ({', '.join(found[:3])}"
-            f"{', ...' if len(found) > 3 else ''}): pass a new or empty directory"
-        )
+        shown = ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+        return f"--out-dir {out_dir} holds files that are not a run's ({shown}): pass a new or empty directory"
     if is_run and not resume and not overwrite:
         return (
             f"--out-dir {out_dir} holds a run: pass --resume {out_dir} to continue it, --overwrite "
@@ -215,13 +206,11 @@ def claim(out_dir, resume, overwrite):
 
 def _own(name, temp_only=False):
     """Whether a run writes `name`; temp_only: only what a write cut short leaves (*.tmp, hf.old, .hf.*)."""
-    temp = (
-        name.startswith(".hf.")
-        or name == "hf.old"
-        or name.endswith(".tmp")
-        and (name[:-4] in OWN or name.startswith("dcp-"))
-    )
-    return temp or not temp_only and (name in OWN or name.startswith("dcp-"))
+    base = name.removesuffix(".tmp")
+    ours = base in OWN or base.startswith("dcp-")
+    if name.startswith(".hf.") or name == "hf.old" or (ours and name != base):
+        return True
+    return ours and not temp_only
 
 
 def remove(path):  # a file or a folder, if there is one
@@ -272,12 +261,10 @@ def last_checkpoint(out_dir, steps):
         step = load_checkpoint(out_dir)[1]["step"]
     except ValueError:
         return f"no checkpoint was written; python train.py --out-dir {out_dir} --overwrite starts again"
-    go_on = (
-        f"python train.py --resume {out_dir} continues"
-        if step < steps
-        else f"python eval.py --ckpt {out_dir} --export DIR exports it"
-    )
-    return f"the last checkpoint is {os.path.join(out_dir, 'ckpt.pt')} (step {step}): {go_on}"
+    last = f"the last checkpoint is {os.path.join(out_dir, 'ckpt.pt')} (step {step})"
+    if step < steps:
+        return f"{last}: python train.py --resume {out_dir} continues"
+    return f"{last}: python eval.py --ckpt {out_dir} --export DIR exports it"
 
 
 # --- checkpoints
@@ -288,14 +275,13 @@ def save(state, path):
         torch.save(state, tmp)
         os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, whole
         return None
-    except BaseException as e:
-        remove(tmp)
-        if not isinstance(e, OSError):
-            raise
+    except OSError as e:
         return (
             f"could not write {path} ({e.strerror or e}); make room in {os.path.dirname(os.path.abspath(path))}"
             "; the last good checkpoint there is kept"
         )
+    finally:
+        remove(tmp)  # what a failed or interrupted write left; nothing after the rename
 
 
 def load_checkpoint(path):
@@ -315,11 +301,8 @@ def load_checkpoint(path):
         ) from None
     except Exception as e:  # truncated, or not a torch file
         raise ValueError(f"checkpoint {path} is unreadable ({type(e).__name__}); pass another one") from None
-    if (
-        not isinstance(ckpt, dict)
-        or not {"config", "step"} <= ckpt.keys()
-        or not re.fullmatch(r"dcp-\d+", ckpt.get("dcp", "dcp-0"))
-    ):  # dcp: a folder beside it, by name
+    has_keys = isinstance(ckpt, dict) and {"config", "step"} <= ckpt.keys()
+    if not has_keys or not re.fullmatch(r"dcp-\d+", ckpt.get("dcp", "dcp-0")):  # dcp: a folder beside it, by name
         raise ValueError(f"{path} is not a train.py checkpoint (no config and step in it); pass another one")
     return path, ckpt
 
@@ -330,14 +313,8 @@ def save_run(out_dir, step, config, held, *, rank=0, world=1):
     DCP shards)."""
     policy, optimizer, ref = held["policy"], held["optimizer"], held["ref"]
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}  # nothing here draws from numpy's
-    state = {
-        "scheduler": held["scheduler"].state_dict(),
-        "scaler": held["scaler"].state_dict(),
-        "step": step,
-        "config": config,
-        "ref": None if ref is None else ref.state_dict(),
-        "rng": [rng] * world,
-    }
+    state = {k: held[k].state_dict() for k in ("scheduler", "scaler")}
+    state.update(step=step, config=config, ref=None if ref is None else ref.state_dict(), rng=[rng] * world)
     if world > 1:
         dist.all_gather_object(state["rng"], rng)
     failed = None
@@ -391,9 +368,7 @@ def all_reduce(x, op="mean"):
 
 
 def reduce_op(name):  # how a metric is summarised over micro-batches and processes: *_max, *_min, else the mean
-    if name.endswith(("_max", "_min")):
-        return name[-3:]
-    return "mean"
+    return name[-3:] if name.endswith(("_max", "_min")) else "mean"
 
 
 def reduce(name, values):  # a metric's values over micro-batches -> one value, as reduce_op(name) says
