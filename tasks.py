@@ -18,7 +18,6 @@ from rewards import answers_match, extract_answer, extract_flexible, has_final_a
 from rollout import Sampler, sample, stop_token_ids
 
 # prompts: the one place to edit what the model is told. short: a 135M model reads it.
-
 SYSTEM_PROMPT = (
     "Solve the problem step by step. Then give the final answer on its own "
     "last line as: #### <number> (or \\boxed{<number>})."
@@ -54,9 +53,7 @@ def check_generated(split, ops="+", n=None, data_dir=None):  # a generator's che
         raise ValueError(f"unknown split {split!r}; valid splits: ['train', 'test']")
     if not ops or set(ops) - set("+-*"):
         raise ValueError(f"unknown arith operator(s) {sorted(set(ops) - set('+-*'))}; use a string of +-*, e.g. '+-'")
-    if n is None:
-        n = 200 if split == "test" else 10_000
-    return n
+    return {"train": 10_000, "test": 200}[split] if n is None else n
 
 
 def load_gsm8k(split, data_dir=None):  # GSM8K (Cobbe et al. 2021): gsm8k.py reads it, imported when a task uses it
@@ -154,9 +151,6 @@ def get(name, options=None):
     return extra_tasks.get(name, options or {})
 
 
-SCORES = {"strict": "strict_acc", "flexible": "flexible_acc", "format": "format_rate", "score": "score"}  # evaluate's
-
-
 def pass_at_k(n, c, k):
     """Unbiased pass@k of one problem with c of n samples correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021,
     arXiv 2107.03374, eq. 1), as the product 1 - prod_{i=n-c+1}^{n} (1 - k/i): no huge binomials."""
@@ -188,21 +182,19 @@ def evaluate(
     if n == 1:
         sampler = Sampler(temperature=0.0)
     sampler = sampler or Sampler()
-    stops = stop_token_ids(tokenizer, model)
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     per_batch = max(1, batch_size // n)
     records, correct = [], []  # one record an example; how many of its n are right
     with tqdm(total=len(examples), desc="eval", unit="problem", disable=not progress, leave=False) as bar:
         for i in range(0, len(examples), per_batch):
             batch = examples[i : i + per_batch]
-            prompts = [task.prompt(ex) for ex in batch]
             r = sample(
                 model,
                 tokenizer,
-                prompts,
+                [task.prompt(ex) for ex in batch],
                 n,
                 max_new_tokens=max_new_tokens,
-                stop_ids=stops,
+                stop_ids=stop_token_ids(tokenizer, model),
                 sampler=sampler,
                 generator=generator,
                 dtype=dtype,
@@ -224,9 +216,10 @@ def evaluate(
                 records.append(record)
             bar.update(len(batch))
     m = max(len(records), 1)
+    names = {"strict": "strict_acc", "flexible": "flexible_acc", "format": "format_rate", "score": "score"}
     summary = {"n_examples": len(records)}
     if records:  # accuracies, a partial-credit mean; the environments' states
-        summary.update({SCORES[k]: sum(x[k] for x in records) / m for k in records[0] if k in SCORES})
+        summary.update({names[k]: sum(x[k] for x in records) / m for k in records[0] if k in names})
         summary.update({f"env/{k}": sum(x["env"][k] for x in records) / m for k in records[0]["env"]})
     for source in sorted({x["source"] for x in records} - {None}):  # a mix: which task moved
         mine = [x["strict"] for x in records if x["source"] == source]
