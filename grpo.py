@@ -189,13 +189,12 @@ def behaviour_weights(train_logp, sample_logp, mask, mode="token_truncate", cap=
         w = torch.where(mask, BEHAVIOUR_MODES[mode](ratio, cap), 1.0)  # (N, T)
         a, n = d.abs(), mask.sum().clamp(min=1)  # (N, T), 0-dim; metrics with no host sync
         p99 = torch.nanquantile(torch.where(mask, a, torch.nan).flatten(), 0.99)  # nanquantile skips padding
-        metrics = {
+        return w, {
             "is_capped": ((w != ratio) & mask & (mode != "none")).sum() / n,
             "dlogp_mean": a.sum() / n,
             "dlogp_p99": torch.where(mask.any(), p99, 0.0),
             "dlogp_max": a.amax(),
         }
-    return w, metrics
 
 
 def full_kl(logits, ref_logits, mask=None):
@@ -221,9 +220,8 @@ def top_entropy_mask(entropy, mask, quantile):
     return mask & (h >= threshold)
 
 
-# --- aggregation and the full loss: l (N, T) with 0 at padding -> 0-dim; |o_i| = sum_t m_it
-# fn(l (N, T), 0 at padding, mask, num_sequences, num_tokens, max_new_tokens) -> 0-dim, by TRL's loss names;
-# num_sequences, num_tokens: the whole batch's, so micro-batches sum to the batch's loss (not bnpo: a token mean each)
+# --- aggregation and the full loss. fn(l (N, T), 0 at padding, mask, num_sequences, num_tokens, max_new_tokens) ->
+# 0-dim; num_sequences, num_tokens: the whole batch's, so micro-batches sum to its loss (not bnpo: a token mean each)
 AGGREGATIONS = {
     "grpo": lambda x, m, n_seq, n_tok, L: (x.sum(1) / m.sum(1).clamp(min=1)).sum() / n_seq,  # eq. 3: mean over o_i
     "bnpo": lambda x, m, n_seq, n_tok, L: x.sum() / m.sum().clamp(min=1) * (m.size(0) / n_seq),  # TRL's
@@ -319,32 +317,22 @@ def grpo_loss(
     """DeepSeekMath eq. 3 with obj's variants, per token, then aggregate(l, mask, obj.aggregation, ...):
         l_t = -S_t e_t w_t + beta KL_t - entropy_coef H_t, S_t = SURROGATES[obj.surrogate] (the clip: min(min(rho,
     delta) A, clip(rho, 1-eps, 1+eps_high) A)); e_t (top_entropy_mask) and w_t (behaviour_weights of old_logp against
-    sample_logp by obj.is_mode, detached; 1 without sample_logp) scale the policy term only, as TRL. (N, T) each:
-    logp, old_logp (None: logp.detach(), mu=1), ref_logp, or kl (full_kl's, with grad) if kl_estimator="full",
-    entropy, sample_logp (the sampler's); advantages (N,) or (N, T) -> (loss, metrics: detached 0-dim, over valid
-    tokens: clip_low, clip_high, clip (cispo: rho > cispo_cap with A > 0, as TRL), kl, kl_max, entropy, is_capped,
-    ratio_mean/min/max)"""
+    sample_logp by obj.is_mode, detached; 1 without sample_logp) scale the policy term only, as TRL. (N, T) each: logp,
+    old_logp (None: logp.detach(), mu=1), ref_logp, or kl (full_kl's, with grad) if kl_estimator="full", entropy,
+    sample_logp; advantages (N,) or (N, T) -> (loss, metrics: detached 0-dim, over valid tokens: clip_low, clip_high,
+    clip (cispo: rho > cispo_cap with A > 0, as TRL), kl, kl_max, entropy, is_capped, ratio_mean/min/max)"""
     _check(logp.dim() == 2, f"logp must have shape (N, T), got {tuple(logp.shape)}")
     N, T = logp.shape
     _check_shape((N, T) if advantages.dim() == 2 else (N,), advantages=advantages)
     _check_shape(
-        (N, T),
-        mask=mask,
-        old_logp=old_logp,
-        ref_logp=ref_logp,
-        entropy=entropy,
-        kl=kl,
-        sample_logp=sample_logp,
+        (N, T), mask=mask, old_logp=old_logp, ref_logp=ref_logp, entropy=entropy, kl=kl, sample_logp=sample_logp
     )
-    beta, est = obj.beta, obj.kl_estimator
-    full = est == "full"
-    _check(kl is None or full, f"kl is read only with kl_estimator='full', got kl_estimator={est!r}")
-    _check(not (beta > 0 and full and kl is None), "kl_estimator='full' needs kl=full_kl(logits, ref_logits)")
-    _check(not (beta > 0 and not full and ref_logp is None), "ref_logp is required when beta > 0 (or set beta=0)")
-    _check(
-        entropy is not None or not (obj.entropy_coef != 0 or obj.top_entropy_quantile < 1),
-        "entropy is required when entropy_coef != 0 or top_entropy_quantile < 1",
-    )
+    full = obj.kl_estimator == "full"
+    _check(kl is None or full, f"kl is read only with kl_estimator='full', got kl_estimator={obj.kl_estimator!r}")
+    _check(not (obj.beta > 0 and full and kl is None), "kl_estimator='full' needs kl=full_kl(logits, ref_logits)")
+    _check(not (obj.beta > 0 and not full and ref_logp is None), "ref_logp is required when beta > 0 (or set beta=0)")
+    if obj.entropy_coef != 0 or obj.top_entropy_quantile < 1:
+        _check(entropy is not None, "entropy is required when entropy_coef != 0 or top_entropy_quantile < 1")
     mask = mask.bool()
     logp = torch.where(mask, _up(logp), 0.0)  # padding zeroed: garbage there reaches neither value nor grad
     old_logp = logp.detach() if old_logp is None else old_logp
@@ -356,9 +344,9 @@ def grpo_loss(
     if sample_logp is not None:  # the sampler's numerics differ from the trainer's: reweight the policy term
         w, w_metrics = behaviour_weights(old_logp, sample_logp, mask, obj.is_mode, obj.is_cap)
         per_token = per_token * torch.where(mask, w, 0.0)
-    if beta > 0:  # a caller's full KL may hold garbage at padding: aggregate and the metrics mask it
+    if obj.beta > 0:  # a caller's full KL may hold garbage at padding: aggregate and the metrics mask it
         kl = _up(kl) if full else kl_estimate(logp, torch.where(mask, _up(ref_logp), 0.0), obj.kl_estimator)  # (N, T)
-        per_token = per_token + beta * kl
+        per_token = per_token + obj.beta * kl
     if obj.entropy_coef != 0:
         per_token = per_token - obj.entropy_coef * torch.where(mask, _up(entropy), 0.0)
     loss = aggregate(
@@ -374,7 +362,7 @@ def grpo_loss(
         low = (ratio < 1 - obj.eps) & (adv < 0) & (not cispo)  # (N, T)
         high = (ratio > (obj.cispo_cap if cispo else 1 + obj.eps_high)) & (adv > 0)  # (N, T)
         metrics = {k: _mean(x.float(), mask) for k, x in (("clip_low", low), ("clip_high", high), ("clip", low | high))}
-        if beta > 0:
+        if obj.beta > 0:
             metrics["kl"], metrics["kl_max"] = _mean(kl, mask), _max(kl, mask)
         if entropy is not None:
             metrics["entropy"] = _mean(_up(entropy), mask)
