@@ -55,18 +55,8 @@ def test_greedy_summary_is_the_mean_of_task_scores():
 def test_sampled_pass_at_n_is_any_correct():
     model, tok, task = toy.make_model(), toy.make_tokenizer(), toy.TASK
     examples = task.load("test")[:8]
-    summary, records = evaluate(
-        model,
-        tok,
-        task,
-        examples,
-        max_new_tokens=6,
-        batch_size=8,
-        n=4,
-        sampler=Sampler(temperature=1.0),
-        seed=1,
-        progress=False,
-    )
+    settings = dict(max_new_tokens=6, batch_size=8, n=4, sampler=Sampler(temperature=1.0), seed=1, progress=False)
+    summary, records = evaluate(model, tok, task, examples, **settings)
     assert all(len(r["completions"]) == 4 and r["completion"] == r["completions"][0] for r in records)
     strict = [[task.score(c, ex)["strict"] for c in r["completions"]] for r, ex in zip(records, examples)]
     assert summary["pass@4"] == pytest.approx(mean([float(any(s)) for s in strict]))  # pass@n: any is right
@@ -74,18 +64,7 @@ def test_sampled_pass_at_n_is_any_correct():
     assert summary["pass@1"] == pytest.approx(summary["strict_acc"])  # pass@1 is the mean accuracy
     assert summary["pass@2"] == pytest.approx(mean([float(brute_pass_at_k(s, 2)) for s in strict]))
     assert summary["strict_acc"] < summary["pass@4"]  # some question is solved by some sample, not all
-    again, _ = evaluate(
-        model,
-        tok,
-        task,
-        examples,
-        max_new_tokens=6,
-        batch_size=8,
-        n=4,
-        sampler=Sampler(temperature=1.0),
-        seed=1,
-        progress=False,
-    )
+    again, _ = evaluate(model, tok, task, examples, **settings)
     assert again == summary  # seeded
 
 
