@@ -26,7 +26,7 @@ import rewards  # noqa: E402
 import rollout  # noqa: E402
 import extra_tasks  # noqa: E402
 import tasks  # noqa: E402
-from run import MetricsLog  # noqa: E402
+from run import MetricsLog, reduce, reduce_op  # noqa: E402
 
 G, PROMPTS, MICRO = 4, 2, 4  # train_args: 2 prompts x 4 completions, micro-batches of one group
 
@@ -435,6 +435,24 @@ def test_metrics_file_is_json_even_with_non_finite_values(tmp_path):
     resumed = MetricsLog(str(tmp_path), resume_step=1)  # a resume from step 1 drops the later lines
     resumed.close()
     assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1]
+
+
+def test_metrics_combine_over_micro_batches_by_their_names_ending():
+    """A step's metric from its micro-batches (run.reduce; run.reduce_op also picks all_reduce's op across
+    processes): a name ending _max takes the max, _min the min, anything else the mean, max/min elsewhere in the
+    name included. Fails if every metric is averaged (a kl_max that is no maximum), _max and _min are swapped, or
+    the rule matches "max"/"min" anywhere in the name."""
+    stats = {
+        "kl_max": [0.5, 3.0, 1.0],
+        "ratio_min": [0.75, 0.25, 1.5],
+        "loss": [1.0, 2.0, 6.0],
+        "max_tokens": [2.0, 4.0, 0.0],
+        "min_reward_p99": [0.5, 1.5],
+    }
+    by_hand = {"kl_max": 3.0, "ratio_min": 0.25, "loss": 3.0, "max_tokens": 2.0, "min_reward_p99": 1.0}
+    assert {k: reduce(k, v) for k, v in stats.items()} == by_hand
+    ops = {"kl_max": "max", "ratio_min": "min", "loss": "mean", "max_tokens": "mean", "min_reward_p99": "mean"}
+    assert {k: reduce_op(k) for k in stats} == ops  # the keys run.all_reduce takes
 
 
 # -----------------------------------------------------------------------------

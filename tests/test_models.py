@@ -74,6 +74,31 @@ def test_unknown_model_raises_model_error_with_hint(monkeypatch, load):
     assert "/nonexistent/model" in str(e.value) and "\n" not in str(e.value)  # one line for the user
 
 
+def test_a_model_that_fails_to_load_names_the_error_type_in_one_line(tmp_path):
+    """A folder whose config.json is corrupt: the ModelError is one line that names the folder and, in brackets, the
+    type of what from_pretrained raised and the first line of its message. Fails if models._load drops the
+    `[{type(e).__name__}: ...]` part or lets a multi-line message through."""
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(Exception) as raw:  # what transformers itself raises on this folder, found independently
+        models.AutoModelForCausalLM.from_pretrained(str(tmp_path))
+    with pytest.raises(ModelError) as e:
+        load_model(str(tmp_path), CPU)
+    message = str(e.value)
+    assert f"[{type(raw.value).__name__}: " in message and str(tmp_path) in message and "\n" not in message, message
+
+    class CorruptWeights(Exception):
+        pass
+
+    class Loader:  # any from_pretrained: a multi-line error keeps its type and first line only
+        @staticmethod
+        def from_pretrained(path, **kwargs):
+            raise CorruptWeights("shard 2 is truncated\nTraceback-like detail")
+
+    with pytest.raises(ModelError) as e:
+        models._load(Loader, str(tmp_path))
+    assert "[CorruptWeights: shard 2 is truncated]" in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
 def test_missing_gguf_file_raises_model_error():
     with pytest.raises(ModelError, match="GGUF file not found: /nonexistent/model.gguf"):
         resolve_model("/nonexistent/model.gguf")
@@ -120,6 +145,19 @@ def test_resolve_device_on_a_cpu_only_machine():
     assert resolve_device("cpu") == CPU
     with pytest.raises(ModelError, match="device 'cuda' is not usable here .*use --device auto or cpu"):
         resolve_device("cuda")
+
+
+@pytest.mark.parametrize(
+    "cuda, mps, expected", [(True, True, "cuda"), (True, False, "cuda"), (False, True, "mps"), (False, False, "cpu")]
+)
+def test_resolve_device_auto_prefers_cuda_then_mps_then_cpu(monkeypatch, cuda, mps, expected):
+    """Fails if 'auto' tries the devices in another order (mps before cuda, cpu before either) or ignores one."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: mps)
+    probed = []
+    monkeypatch.setattr(torch, "zeros", lambda *a, device: probed.append(device))  # no real cuda/mps here
+    assert resolve_device("auto").type == expected
+    assert [d.type for d in probed] == [expected]  # the device it picked is the one it checked
 
 
 def _cpu_flags():

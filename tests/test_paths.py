@@ -12,6 +12,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from toy import EVAL, TRAIN, error_of, read_metrics, run_script, train_args  # noqa: E402
 
+import run  # noqa: E402
+
 PLOT = EVAL  # eval.py --plot draws the curves
 
 
@@ -107,6 +109,25 @@ def test_train_default_out_dir_never_replaces_what_it_did_not_write(model_dir, t
     assert code == 2 and "holds files that are not a run's (notes.txt)" in line, line
     code, line = error_of(TRAIN, argv + ["--overwrite"], capsys)  # not even with --overwrite
     assert code == 2 and open("out/run/notes.txt").read() == "mine" and tree("out") == ["run", "run/notes.txt"]
+
+
+@pytest.mark.parametrize("count", [2, 3, 5])
+def test_a_foreign_folder_is_refused_naming_at_most_three_of_its_files(tmp_path, count):
+    """run.claim on a folder of files no run wrote: the line names the folder and its first three files (sorted),
+    then ", ..." only when there are more, and says to pass a new or empty directory; nothing in it is touched.
+    Fails if the listing names every file (a line as long as the folder), drops the ellipsis, or shows it for
+    three or fewer."""
+    names = [f"user{i}.txt" for i in range(count)]
+    for name in names:
+        (tmp_path / name).write_text("mine")
+    line = run.claim(str(tmp_path), resume=False, overwrite=True)
+    assert str(tmp_path) in line and "new or empty directory" in line, line
+    shown = ", ".join(names[:3])
+    if count > 3:
+        shown += ", ..."
+    assert f"({shown})" in line, line
+    assert not any(name in line for name in names[3:]), line
+    assert sorted(os.listdir(tmp_path)) == names and not run.HELD  # refused before taking the lock
 
 
 # -----------------------------------------------------------------------------
