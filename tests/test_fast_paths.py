@@ -60,6 +60,21 @@ def test_token_logp_values_and_gradients_equal_autograd_of_the_plain_expression(
     assert rollout.TokenLogp.apply(z, t, False)[1] is None
 
 
+def test_token_logp_shifts_each_row_by_its_own_max():
+    """Rows of one chunk whose logits lie 1000 apart (softmax is shift-invariant: the same log-probs and entropy).
+    Fails if logZ is shifted by the chunk's max instead of each row's (amax over all dims): the far row's exp
+    underflows to 0, its logZ to -inf and its log-prob to +inf."""
+    z, t, _ = logits(torch.float32, n=2)
+    z = torch.stack([z[0], z[0] - 1000])  # (2, V): the same distribution twice
+    t = t[:1].expand(2)
+    logp, ent = rollout.TokenLogp.apply(z, t, True)
+    want_logp, want_ent = plain(z[:1], t[:1])  # the near row's, by log_softmax
+    # z_t - logZ and logZ - E_p[z] each cancel two numbers of size |z| (~1000): a few eps of |z|, not of the result
+    atol = VALUES * EPS[torch.float32] * z.abs().max().item()
+    torch.testing.assert_close(logp, want_logp.expand(2), rtol=0, atol=atol)
+    torch.testing.assert_close(ent, want_ent.expand(2), rtol=0, atol=atol)
+
+
 def test_token_logp_with_top_k_masked_logits_stays_finite_and_exact():
     """A top-k transform under autograd before TokenLogp, as an additive mask (0 on the top 8, -inf elsewhere: its
     backward passes every gradient through): log-probs, entropy and gradients are those of the 8 kept logits alone,

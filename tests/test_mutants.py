@@ -10,11 +10,13 @@ import pytest
 import torch
 
 from grpo import (
+    LOSS_TYPES,
     Objective,
     aggregate,
     behaviour_weights,
     cispo_surrogate,
     clipped_surrogate,
+    full_kl,
     grpo_loss,
     kl_estimate,
     process_advantages,
@@ -24,6 +26,7 @@ from grpo import (
 from rewards import (
     RewardError,
     answers_match,
+    check_fields,
     combine_rewards,
     correctness_reward,
     extract_boxed,
@@ -196,6 +199,42 @@ def test_grpo_loss_passes_delta():
     assert loss.item() == pytest.approx(4.0, rel=1e-12)
 
 
+def test_clipped_surrogate_default_eps_is_the_papers():
+    """Fails if clipped_surrogate's default eps is not 0.2 (DeepSeekMath eq. 3; e.g. 1.2): rho = 0.5 with A = -1 is
+    clipped to 1 - 0.2 = 0.8, min(0.5 A, 0.8 A) = -0.8; rho = 1.5 with A = 1 to 1.2."""
+    out = clipped_surrogate(torch.tensor([[0.5, 1.5]], **F64), torch.tensor([[-1.0, 1.0]], **F64))
+    torch.testing.assert_close(out, torch.tensor([[-0.8, 1.2]], **F64))
+
+
+def test_grpo_loss_passes_is_cap_and_reports_is_capped():
+    """Fails if grpo_loss drops obj.is_cap (behaviour_weights then caps at its default 2) or logs the capped fraction
+    under another key than "is_capped": with rho = 1, A = 1 and pi_train / pi_sample = 2.5 and 4 under is_cap = 3 the
+    weights are 2.5 and 3, the loss -(2.5 + 3) / 2 = -2.75 (not -2), one token of two capped."""
+    logp = torch.zeros(1, 2, **F64, requires_grad=True)
+    sample_logp = torch.tensor([[-math.log(2.5), -math.log(4.0)]], **F64)  # old_logp - sample_logp = log 2.5, log 4
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    obj = Objective(beta=0, is_cap=3.0)
+    loss, metrics = grpo_loss(
+        logp, torch.zeros(1, 2, **F64), None, torch.ones(1, **F64), mask, obj, sample_logp=sample_logp
+    )
+    assert loss.item() == pytest.approx(-2.75, rel=1e-12)
+    assert metrics["is_capped"].item() == 0.5
+
+
+def test_objective_bounds_accept_their_edge_and_name_the_choices():
+    """Fails if Objective rejects cispo_cap = 1 (> 1 for >= 1) or is_cap = 0.5 (> 1 for > 0), if the sapo
+    temperatures' message is changed (e.g. wrapped as "XX...XX"), or if a bad choice's message does not list the
+    choices joined by ", " (_check_choice)."""
+    assert Objective(loss_type="cispo", cispo_cap=1.0).cispo_cap == 1.0  # weight min(rho, 1): a valid, tight cap
+    assert Objective(is_cap=0.5).is_cap == 0.5  # TIS with a cap below 1 is a valid choice
+    _raises("cispo_cap must be >= 1, got 0.5", Objective, cispo_cap=0.5)
+    _raises("is_cap must be > 0, got 0.0", Objective, is_cap=0.0)
+    _raises("sapo_temperature_pos/_neg must be > 0", Objective, loss_type="sapo", sapo_temperature_neg=0.0)
+    with pytest.raises(ValueError) as e:
+        Objective(loss_type="ppo")
+    assert f"--loss-type 'ppo': choose from {', '.join(LOSS_TYPES)}" in str(e.value)
+
+
 def test_delta_just_above_one_plus_eps_high_is_accepted():
     """Fails if clipped_surrogate's check is delta > 2 + eps_high: delta = 2 > 1.2 is valid and caps rho at 2."""
     ratio = torch.tensor([[3.0, 1.5]], **F64)
@@ -212,6 +251,16 @@ def test_delta_equal_to_one_plus_eps_high_is_rejected():
     _raises("delta must be > 1 + eps_high = 1.2, got 1.2", clipped_surrogate, x, x, eps=0.2, delta=1.2)
     _raises("--delta 1.2 must be > 1 + eps_high = 1.2", Objective, delta=1.2)
     assert Objective(delta=2.0).delta == 2.0
+
+
+def test_full_kl_token_with_probability_zero_adds_zero():
+    """Fails if full_kl keeps a token pi gives probability 0 (a -inf logit, e.g. top-k's cut): 0 * (-inf - x) is NaN
+    (`logq >= -inf`), or the masked term is 1 instead of 0. pi = (1, 0), pi_ref = (1/2, 1/2): KL = log 2; a token
+    both cut (-inf against -inf) adds 0 too: pi = pi_ref = (1, 0), KL = 0."""
+    inf = math.inf
+    logits = torch.tensor([[[0.0, -inf], [0.0, -inf]]], **F64)  # (1, 2, V=2)
+    ref = torch.tensor([[[0.0, 0.0], [0.0, -inf]]], **F64)
+    torch.testing.assert_close(full_kl(logits, ref), torch.tensor([[math.log(2), 0.0]], **F64))
 
 
 # -----------------------------------------------------------------------------
@@ -438,3 +487,24 @@ def test_raised_message_is_cut_at_200_characters():
     msg = _reward_error({"loud": loud}, ["a"])
     shown = ("ValueError: " + "x" * 300)[:200]
     assert msg == f"reward 'loud' raised {shown} on completion 0 'a'; fix the function or its weight"
+
+
+# -----------------------------------------------------------------------------
+# rewards.py: check_fields (train.py's check that the task gives each reward fn its fields)
+
+
+def test_check_fields_names_the_first_missing_field_and_what_the_task_gives():
+    """Fails if check_fields skips a field the fn asks for (params[2:], missing = None), asks for one with a default
+    (`is not p.empty`), names other than the first missing field (missing[1]), or its message loses the field, the
+    fn's name or the task's fields, sorted and joined by ", " (None, sorted(None), "XX, XX")."""
+
+    def judge(completions, answer, num_tokens, *extra, hint=None, **_):  # answer, num_tokens: no default
+        return [0.0] * len(completions)
+
+    check_fields({"judge": judge}, {"num_tokens", "answer"})  # everything it asks for: no error
+    check_fields({"judge": judge}, {"num_tokens", "answer", "hint"})
+    with pytest.raises(ValueError) as e:
+        check_fields({"judge": judge}, {"prompt", "b"})  # hint has a default, *extra and **_ are no fields
+    message = str(e.value)
+    assert "'judge'" in message and "the field 'answer'" in message  # the first of answer, num_tokens
+    assert "(it gives b, prompt)" in message and "give it a default or drop the reward's weight" in message

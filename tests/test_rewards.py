@@ -135,6 +135,15 @@ def test_format_needs_a_number_on_the_line():
     assert format_reward(["#### ,", "#### 1,000"]) == [0.0, 1.0]
 
 
+def test_tool_reward_is_one_where_a_call_ran_and_tool_cost_counts_every_call():
+    """Fails if tool_reward pays a row whose every call errored (c >= e), pays no call, or is not 0/1; or if tool_cost
+    is not minus the number of calls (sign, errors left out, a constant)."""
+    calls, errors = [0, 1, 1, 3, 3], [0, 0, 1, 3, 1]  # none; one that ran; one that errored; all errored; two of 3 ran
+    kw = dict(tool_calls=calls, tool_errors=errors)
+    assert rewards.tool_reward(["x"] * 5, **kw) == [0.0, 1.0, 0.0, 0.0, 1.0]  # 1 iff some call ran: calls > errors
+    assert rewards.tool_cost(["x"] * 5, **kw) == [0.0, -1.0, -1.0, -3.0, -3.0]  # -calls, errored ones counted
+
+
 def test_overlong_reward_dapo_eq13():
     fn = overlong_reward(48, 16)  # L_max = 48, L_cache = 16: free up to 48 - 16 = 32 tokens
     assert fn.__name__ == "overlong"

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import DECODE, ENDOFTEXT, EOS, GRADS, VOCAB, assert_close_scaled, make_model, make_tokenizer
+from conftest import DECODE, ENDOFTEXT, EOS, GRADS, IM_START, VOCAB, assert_close_scaled, make_model, make_tokenizer
 from rollout import stop_token_ids
 from rollout import (
     Rollout,
@@ -132,6 +132,44 @@ def test_sample_masks_with_pad_eq_eos_and_two_stop_ids(tiny_tok, tiny_model):
     assert not any("<|" in t for t in r.completions)
     # the attention mask used for teacher forcing covers the eos token although it equals pad
     assert r.attention_mask[0, -6:].tolist() == [1, 1, 1, 0, 0, 0]
+
+
+def test_sample_completions_leave_out_a_control_token_the_model_sampled(tiny_tok, tiny_model):
+    """Fails if sample decodes the completions with special tokens kept (skip_special_tokens False or left out): a
+    control token the model samples mid-answer (<|im_start|>, no stop id) reaches the reward fns' text. It stays in
+    completion_ids and the mask (the model's own token, trained on); the text holds the 2 words around it."""
+    _, S = -1, IM_START
+    script = [[_, _], [S, _], [_, _]]  # row 0's second token: <|im_start|>; no row stops
+    r = sample(
+        Scripted(tiny_model, script),
+        tiny_tok,
+        PROMPTS[:1],
+        group_size=2,
+        max_new_tokens=3,
+        stop_ids=[EOS],
+        generator=_gen(),
+    )
+    assert r.completion_ids[0, 1] == IM_START and r.completion_mask.sum(1).tolist() == [3, 3]
+    assert [len(t.split()) for t in r.completions] == [2, 3] and "<|im_start|>" not in r.completions[0]
+
+
+def test_sample_runs_a_model_without_get_decoder(tiny_tok, tiny_model):
+    """A wrapper with no get_decoder whose forward takes **kwargs (as peft's does) samples the model's own tokens: the
+    cache argument is named from the wrapper itself. Fails if sample calls get_decoder on every model
+    (AttributeError)."""
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.config = model, model.config
+
+        def forward(self, **kw):
+            return self.model(**kw)
+
+    kw = dict(group_size=2, max_new_tokens=4, stop_ids=[EOS])
+    want = sample(tiny_model, tiny_tok, PROMPTS[:2], generator=_gen(), **kw)
+    got = sample(Wrapper(tiny_model), tiny_tok, PROMPTS[:2], generator=_gen(), **kw)
+    assert torch.equal(got.completion_ids, want.completion_ids)
 
 
 def test_sample_logp_is_zero_after_the_stop_even_with_inf_logits(tiny_tok, tiny_model):

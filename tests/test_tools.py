@@ -1079,3 +1079,21 @@ def test_a_row_that_stops_while_another_reads_a_reply_ends_on_its_own_stop():
     reply = ids(tok, "<|im_end|> <|im_start|> user Result: w9 <|im_end|> <|im_start|> assistant")
     assert rows == [call + reply + ids(tok, "w2") + [EOS], w1 * 6 + [EOS]]
     assert int(r.completion_mask[1].sum()) == 7 and not r.truncated[1]
+
+
+def test_probe_resets_a_fresh_environment_on_the_example_it_is_given():
+    """Fails if EnvDriver.probe resets the environment on anything but its example (reset(None)): an environment
+    whose state starts from its example (a number to guess) reports that example's number, for train.py's check of
+    the reward fields."""
+
+    class Target:
+        def reset(self, example):
+            self.target = example["target"]
+
+        def turn(self, text, stopped):
+            return None, True
+
+        def state(self):
+            return {"target": self.target}
+
+    assert EnvDriver(Target, make_tokenizer()).probe({"target": 7}) == {"target": 7}
