@@ -126,9 +126,8 @@ class EnvDriver:
         vocab = [str(t) for t in tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))]
         self._may_end = [chars is None or any(c in t for c in chars) for t in vocab]
         self._tail = _after_mark(tokenizer, DUMMY, add_generation_prompt=False)  # the template's end of a turn
-        self._least = len(
-            self.frame({"role": "user", "content": "0"}, stopped=False)
-        )  # the shortest reply; checks the template
+        # the shortest reply; framing one checks the template
+        self._least = len(self.frame({"role": "user", "content": "0"}, stopped=False))
         self.reset([], [], 1)
 
     def render(self, messages):
