@@ -511,7 +511,7 @@ if args.grid:  # cost growth, one side at a time: G at 128 tokens, then tokens a
 
 ours = [(f"ours @ {sha}", folder) for sha, folder in map(checkout, args.rev)] or [("ours", HERE)]
 ratios = {name: [] for name, _ in ours}  # (step time, peak RSS, per-token step time) ours / TRL, one per round
-for rnd in range(args.rounds if args.vs_trl else 1):
+for rnd in range(args.rounds):  # more than 1 only with --vs-trl
     results = {f"{name}, micro-batch {args.micro_batch}": run_side("ours", src) for name, src in ours}
     if args.vs_trl:
         trl = results[f"TRL, micro-batch {args.micro_batch}"] = run_side("trl")
@@ -553,24 +553,26 @@ for rnd in range(args.rounds if args.vs_trl else 1):
                 f"| {name} | {k[2:]} | {f / 1e9:.0f} | {f / 1e9 / peak:.1f} | {med[k]:.1f} "
                 f"| {f / 1e9 / peak / med[k]:.0%} |"
             )
-    for name, _ in ours if args.vs_trl else []:  # the same micro-batch on both sides
-        (o, po, _, _), (t, pt, _, _) = results[f"{name}, micro-batch {args.micro_batch}"], trl
-        ratios[name].append(
-            (
-                o["t_step"] / t["t_step"],
-                po / pt,
-                (o["t_step"] / o["completion_len"]) / (t["t_step"] / t["completion_len"]),
+    if args.vs_trl:  # the same micro-batch on both sides
+        for name, _ in ours:
+            (o, po, _, _), (t, pt, _, _) = results[f"{name}, micro-batch {args.micro_batch}"], trl
+            ratios[name].append(
+                (
+                    o["t_step"] / t["t_step"],
+                    po / pt,
+                    (o["t_step"] / o["completion_len"]) / (t["t_step"] / t["completion_len"]),
+                )
+            )
+            print(
+                f"\n{name} / TRL at micro-batch {args.micro_batch} on both sides: "
+                "step time {:.2f}x, peak RSS {:.2f}x, per-token step time {:.2f}x".format(*ratios[name][-1])
+            )
+if args.rounds > 1:
+    for name, rs in ratios.items():
+        print(
+            f"\n{name}, median over {len(rs)} rounds, micro-batch {args.micro_batch} on both sides: "
+            "step time {:.2f}x, peak RSS {:.2f}x, per-token step time {:.2f}x".format(
+                *(statistics.median(r[i] for r in rs) for i in range(3))
             )
         )
-        print(
-            f"\n{name} / TRL at micro-batch {args.micro_batch} on both sides: "
-            "step time {:.2f}x, peak RSS {:.2f}x, per-token step time {:.2f}x".format(*ratios[name][-1])
-        )
-for name, rs in ratios.items() if args.rounds > 1 else []:
-    print(
-        f"\n{name}, median over {len(rs)} rounds, micro-batch {args.micro_batch} on both sides: "
-        "step time {:.2f}x, peak RSS {:.2f}x, per-token step time {:.2f}x".format(
-            *(statistics.median(r[i] for r in rs) for i in range(3))
-        )
-    )
 decode_vs_gemm(DECODE_ROWS)  # the decode step's gap to its own matmuls, on this CPU
