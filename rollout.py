@@ -117,8 +117,13 @@ def sample_from_logits(logits, u):
 
 
 def _cache_kwarg(module, cache):  # transformers 5.24 renamed past_key_values (which warns there) to cache
-    names = inspect.signature(module.forward).parameters
-    return {"cache" if "cache" in names else "past_key_values": cache}
+    for inner in module.modules():  # a wrapper whose forward takes **kwargs (peft) names it from the model inside
+        names = inspect.signature(inner.forward).parameters
+        if "cache" in names:
+            return {"cache": cache}
+        if "past_key_values" in names:
+            return {"past_key_values": cache}
+    return {"past_key_values": cache}
 
 
 class _Cache(DynamicCache):  # keys and values in autocast's dtype, which attention reads anyway: half the memory,

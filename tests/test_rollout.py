@@ -155,8 +155,8 @@ def test_sample_completions_leave_out_a_control_token_the_model_sampled(tiny_tok
 
 def test_sample_runs_a_model_without_get_decoder(tiny_tok, tiny_model):
     """A wrapper with no get_decoder whose forward takes **kwargs (as peft's does) samples the model's own tokens: the
-    cache argument is named from the wrapper itself. Fails if sample calls get_decoder on every model
-    (AttributeError)."""
+    cache argument is named from the model inside the wrapper. Fails if sample calls get_decoder on every model
+    (AttributeError), or names the argument from the wrapper (past_key_values: a FutureWarning on transformers 5.24)."""
 
     class Wrapper(torch.nn.Module):
         def __init__(self, model):
