@@ -5,6 +5,7 @@ micro-batch's log-probs and entropy, then its backward (no optimizer step: every
 
     python bench_profile.py                      # this checkout: sdpa, sdpa_math, eager in turn, then the profile
     python bench_profile.py --src DIR            # the rollout.py of another checkout (git archive REV | tar -x -C DIR)
+    python bench_profile.py --sample             # the sampling of that rollout instead: its time, then its profile
 """
 
 import argparse
@@ -16,9 +17,10 @@ from contextlib import nullcontext
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--src", default=os.path.dirname(os.path.abspath(__file__)), help="the checkout whose code runs")
-p.add_argument("--data-dir", help="GSM8K dir (else $GSM8K_DIR, else ../shared/data/gsm8k)")
-p.add_argument("--rounds", type=int, default=3, help="timed passes per attention implementation (median)")
+p.add_argument("--data-dir", help="GSM8K dir (else $GSM8K_DIR, else downloaded once)")
+p.add_argument("--rounds", type=int, default=3, help="timed passes per measurement (median)")
 p.add_argument("--rows", type=int, default=12, help="profile rows printed")
+p.add_argument("--sample", action="store_true", help="time and profile rollout.sample (the decode loop) instead")
 args = p.parse_args()
 sys.path.insert(0, os.path.abspath(args.src))
 
@@ -33,16 +35,22 @@ task, tok = TASKS["gsm8k"], load_tokenizer("smollm2-135m")
 model = load_model("smollm2-135m", torch.device("cpu")).train()
 prompts = [task.prompt(e) for e in task.load("train", data_dir=args.data_dir)[:2]]
 stops = rollout.stop_token_ids(tok, model)
-r = rollout.sample(
-    model,
-    tok,
-    prompts,
-    8,
-    max_new_tokens=128,
-    stop_ids=stops,
-    dtype=torch.bfloat16,
-    generator=torch.Generator().manual_seed(0),
-)
+
+
+def draw():
+    return rollout.sample(
+        model,
+        tok,
+        prompts,
+        8,
+        max_new_tokens=128,
+        stop_ids=stops,
+        dtype=torch.bfloat16,
+        generator=torch.Generator().manual_seed(0),
+    )
+
+
+r = draw()
 
 
 def train_pass():
@@ -58,12 +66,12 @@ def train_pass():
     model.zero_grad(set_to_none=True)
 
 
-def timed():
-    train_pass()  # warm-up
+def timed(work):
+    work()  # warm-up
     times = []
     for _ in range(args.rounds):
         t = time.perf_counter()
-        train_pass()
+        work()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -76,11 +84,17 @@ ATTENTION = {  # name -> (the model's attn_implementation, whether SDPA may pick
 lens = r.completion_mask.sum(1).float()
 print(f"# {time.strftime('%Y-%m-%d')} | {torch.get_num_threads()} threads | {args.src}")
 print(f"16 rows, completion lengths mean {lens.mean():.0f} max {lens.max():.0f}\n")
+if args.sample:  # the same rollout each time (seed 0), the model's default attention
+    print(f"rollout.sample: {timed(draw):.2f} s (median)")
+    with torch.profiler.profile() as prof:
+        draw()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
+    sys.exit()
 print("| attention | training pass s (median) |\n|---|---:|")
 for name, (impl, fused) in ATTENTION.items():
     model.set_attn_implementation(impl)
     torch.backends.cuda.enable_flash_sdp(fused)  # the same switch picks SDPA's CPU kernel
-    print(f"| {name} | {timed():.2f} |", flush=True)
+    print(f"| {name} | {timed(train_pass):.2f} |", flush=True)
 model.set_attn_implementation("sdpa")
 torch.backends.cuda.enable_flash_sdp(True)
 with torch.profiler.profile() as prof:
