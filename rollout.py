@@ -191,7 +191,7 @@ def sample(
     used = torch.zeros(N, dtype=torch.long, device=device)  # (N,) budget used: own tokens and replies fed
     cols = []  # per step: token, log-prob, own, reply (N,) each
     cache = _Cache(config=model.config)
-    cached = _cache_kwarg(model.get_decoder() if hasattr(model, "get_decoder") else model, cache)  # peft: **kwargs
+    cached = _cache_kwarg(model, cache)
     try:
         with torch.no_grad(), _autocast(model, dtype):  # one context for the loop: autocast casts each weight once
             pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
