@@ -260,7 +260,7 @@ def last_checkpoint(out_dir, steps):
     try:
         step = load_checkpoint(out_dir)[1]["step"]
     except ValueError:
-        return f"no checkpoint was written; python train.py --out-dir {out_dir} --overwrite starts again"
+        return f"no checkpoint was written in {out_dir}; the same command with --overwrite starts again"
     last = f"the last checkpoint is {os.path.join(out_dir, 'ckpt.pt')} (step {step})"
     if step < steps:
         return f"{last}: python train.py --resume {out_dir} continues"

@@ -151,11 +151,13 @@ def test_a_file_without_config_and_step_is_not_a_checkpoint(tmp_path, state):
 
 
 def test_the_line_after_an_interrupt_says_how_to_go_on(tmp_path):
-    """What Ctrl-C prints (run.last_checkpoint): no checkpoint -> start again with --overwrite; one before the last
-    step -> --resume; one at the last step -> export it with eval.py. Fails if the branch for a finished run is
-    dropped or its test is off by one (a finished run told to resume, which trains nothing)."""
+    """What Ctrl-C prints (run.last_checkpoint): no checkpoint -> the same command again with --overwrite (a command
+    of its own would drop the run's other flags); one before the last step -> --resume; one at the last step ->
+    export it with eval.py. Fails if the branch for a finished run is dropped or its test is off by one (a finished
+    run told to resume, which trains nothing), or if the first hint spells out a command that loses the flags."""
     out = str(tmp_path)
-    assert f"python train.py --out-dir {out} --overwrite" in run.last_checkpoint(out, 3)
+    line = run.last_checkpoint(out, 3)
+    assert out in line and "the same command with --overwrite" in line and "python train.py" not in line, line
     assert run.save({"config": {}, "step": 3}, os.path.join(out, "ckpt.pt")) is None
     for steps in (4, 10):
         line = run.last_checkpoint(out, steps)
