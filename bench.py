@@ -5,9 +5,10 @@ Benchmark one GRPO step of train.py, optionally side by side with TRL's GRPOTrai
     python bench.py --vs-trl --rounds 3   # + TRL GRPOTrainer (pip install trl==1.16.0), in turn, median ratios
     python bench.py --vs-trl --trl-one-pass  # + TRL with all 16 completions in one pass, as a labelled extra row
     python bench.py --vs-trl --rev A --rev B  # ours from commits A and B (one row each) and TRL, in turn
-    python bench.py --decode              # only the decode step against its matmuls alone (also printed by the above)
     python bench.py --grid                # cost growth: group size 4/8/16, max new tokens 64/128/256
-    python bench.py --compile             # torch.compile of the training forward: eager vs compiled, 80-step projection
+
+Each phase alone: `python bench_profile.py` (the training pass; --sample: the sampling; --decode: one decode step
+against its matmuls alone). torch.compile of the training forward: `python bench_compile.py`.
 
 The standard configuration: SmolLM2-135M-Instruct, 2 GSM8K prompts x G=8 = 16 completions, both sides in
 micro-batches of 4 (TRL: per_device_train_batch_size 4, gradient_accumulation_steps 4, so one generation of the 16
@@ -52,12 +53,6 @@ p.add_argument(
     help="with --vs-trl: also TRL with all completions in one "
     "pass (per_device_train_batch_size = completions), a labelled row beside, not in the ratios",
 )
-p.add_argument(
-    "--decode",
-    action="store_true",
-    help="only time one decode step of the model beside the same "
-    "matmuls alone (16 rows and the step's rows), interleaved",
-)
 p.add_argument("--max-new-tokens", type=int, default=128)
 p.add_argument("--beta", type=float, default=0.04)
 p.add_argument("--lr", type=float, default=1e-6)
@@ -78,12 +73,6 @@ p.add_argument(
     default=1,
     help="with --vs-trl: run the two sides one after the other this many times and also print "
     "the median ratios (a VM's speed can drift within minutes)",
-)
-p.add_argument(
-    "--compile",
-    action="store_true",
-    help="time the training pass (arith-shaped micro-batch, "
-    "share=True) eager vs the decoder torch.compile'd, interleaved; print the 80-step projection",
 )
 p.add_argument(
     "--ref-device",
@@ -119,8 +108,8 @@ if not args.child:  # every number's range; a flag of another mode is no flag he
     )
     if (args.rounds > 1 or args.trl_one_pass) and not args.vs_trl:
         p.error("--rounds and --trl-one-pass compare against TRL: add --vs-trl or drop them")
-    if args.rev and (args.grid or args.compile or args.decode):
-        p.error("--rev picks the code of the step benchmark's rows: drop --grid, --compile and --decode with it")
+    if args.rev and args.grid:
+        p.error("--rev picks the code of the step benchmark's rows: drop --grid with it")
 if args.dtype == "auto":  # resolved here, so that TRL's side runs in the same dtype as ours
     from models import resolve_device, resolve_dtype
 
@@ -259,85 +248,6 @@ def trl_child(out):
     return [dict(r, completion_len=n) for r, n in zip(timer.rows, lens)]
 
 
-def compile_bench(rounds=6, widths=(16, 32, 48), steps=80):
-    """Forward+backward of token_logprobs (share=True, as train.py) on 2 arith prompts x G=8, completion widths
-    bucketed to multiples of 16 (bounds recompiles), eager and compiled in turn on the same batch (drift hits both)."""
-    import random
-    import torch
-    from torch._dynamo.utils import counters
-    import rollout
-    from models import load_model, load_tokenizer, resolve_device
-    from rollout import stop_token_ids
-    from tasks import TASKS
-
-    dev, dtype, G, rng = resolve_device("auto"), getattr(torch, args.dtype), 8, random.Random(0)
-    gen = torch.Generator().manual_seed(0)
-    tok, model = load_tokenizer(args.model), load_model(args.model, resolve_device("auto"))  # fp32 master weights
-    stop, task, decoder = stop_token_ids(tok, model), TASKS["arith"], model.get_decoder()
-    examples, V = task.load("train"), model.config.vocab_size
-    compiled = torch.compile(decoder.forward, dynamic=True)
-
-    def batch(width):  # lengths 8..width (one row at width), random ids, a stop token ends each row that fits
-        ids, mask = rollout.left_pad(
-            rollout.encode_prompts(tok, [task.prompt(e) for e in rng.sample(examples, 2)]), stop[0]
-        )  # (2, P)
-        lens = [rng.randint(8, width) for _ in range(2 * G - 1)] + [width]
-        comp = torch.randint(100, V, (2 * G, width), generator=gen)  # (16, width) no special token (< 100)
-        for i, n in enumerate(lens[:-1]):
-            comp[i, n - 1] = stop[0]
-        cmask = (torch.arange(width)[None] < torch.tensor(lens)[:, None]).long()  # (16, width) to the stop
-        return torch.cat([ids.repeat_interleave(G, 0), comp.masked_fill(cmask == 0, stop[0])], 1), torch.cat(
-            [mask.repeat_interleave(G, 0), cmask], 1
-        )  # (16, P+width) each
-
-    def step(fwd, ids, mask, width):  # -> (seconds, new graphs, logp)
-        decoder.forward, g0, t = fwd, counters["stats"]["unique_graphs"], time.perf_counter()
-        with torch.autocast(dev.type, dtype=dtype, enabled=dtype != torch.float32):
-            logp, ent, _ = rollout.token_logprobs(model, ids, mask, width, with_entropy=True, share=True)
-        (logp.sum() + 0.01 * ent.sum()).backward()
-        model.zero_grad(set_to_none=True)
-        return time.perf_counter() - t, counters["stats"]["unique_graphs"] - g0, logp.detach()
-
-    cpu = next((x.split(":", 1)[1].strip() for x in open("/proc/cpuinfo") if x.startswith("model name")), "?")
-    print(f"{cpu} | {dev} {args.dtype} autocast | {torch.get_num_threads()} threads | torch {torch.__version__}")
-    model.train()
-    eager = decoder.forward
-    step(eager, *batch(16), 16)  # warm-up (oneDNN primitives), not timed
-    rows = []  # (round, width, P, t_eager, t_compiled, new graphs, max |dlogp|)
-    for r in range(rounds):
-        for w in widths:
-            ids, mask = batch(w)
-            te, _, le = step(eager, ids, mask, w)
-            print(f"round {r} width {w} P {ids.size(1) - w}: eager {te:.2f}s", end=" ", flush=True)
-            tc, ng, lc = step(compiled, ids, mask, w)  # a kill here still leaves the eager times printed
-            rows.append((r, w, ids.size(1) - w, te, tc, ng, (le - lc).abs().max().item()))
-            print(f"compiled {tc:.2f}s new graphs {ng} max|dlogp| {rows[-1][6]:.3g}", flush=True)
-
-    def med(xs):
-        return statistics.median(xs) if xs else float("nan")
-
-    te, tc = med([x[3] for x in rows]), med([x[4] for x in rows if not x[5]])  # compiled: steps that did not compile
-    comp_s = sum(x[4] - med([y[4] for y in rows if y[1] == x[1] and not y[5]]) for x in rows if x[5])
-    print(
-        f"\ngraph breaks {sum(counters['graph_break'].values())} | recompiles (steps with new graphs) "
-        f"{sum(1 for x in rows if x[5])} | unique graphs {counters['stats']['unique_graphs']}\n"
-    )
-    print("| width | eager s (median) | compiled s (median, no compile) | compile s (first steps - median) |")
-    print("|---|---:|---:|---:|")
-    for w in widths:
-        e, c = med([x[3] for x in rows if x[1] == w]), med([x[4] for x in rows if x[1] == w and not x[5]])
-        print(f"| {w} | {e:.2f} | {c:.2f} | {sum(x[4] - c for x in rows if x[1] == w and x[5]):.1f} |")
-    print(
-        f"\n{steps} steps, training pass: eager {steps} x {te:.2f} = {steps * te:.0f} s; compiled "
-        f"{comp_s:.0f} + {steps} x {tc:.2f} = {comp_s + steps * tc:.0f} s ({te / tc:.2f}x per step). The reference "
-        "pass (no grad) gains at most proportionally, and pays its own compile."
-    )
-
-
-if args.compile:
-    compile_bench()
-    sys.exit(0)
-
 if args.child:  # one side, in its own process, so its peak RSS is its own
     sys.path.insert(0, HERE)
     rows = (ours_child if args.child == "ours" else trl_child)(tempfile.mkdtemp())
@@ -409,48 +319,6 @@ def matmul_gflops(dtype, n=10):
     return 2 * 2048 * 576 * 1536 / statistics.median(times[2:]) / 1e9
 
 
-def decode_vs_gemm(row_counts, n=15):
-    """Print the median ms of one decode step (rollout.sample's call: the model on its KV cache of the bench's
-    GSM8K prompts, left-padded, in the bench's dtype under one autocast region) beside the median ms of its
-    matmuls alone: a (rows, in) activation by every nn.Linear weight (lm_head included), weights cast once to the
-    same dtype. The two alternate, so the machine's drift hits both."""
-    import torch.nn.functional as F
-    import rollout
-    from models import load_model, load_tokenizer, resolve_device
-    from tasks import TASKS
-
-    dtype, task = getattr(torch, args.dtype), TASKS["gsm8k"]
-    model, tok = load_model(args.model, resolve_device("auto")).eval(), load_tokenizer(args.model)
-    exs = task.load("train", data_dir=args.data_dir)[: args.prompts_per_step]
-    ids, mask = rollout.left_pad(rollout.encode_prompts(tok, [task.prompt(e) for e in exs]), 0)  # (B, P)
-    weights = [m.weight.detach().to(dtype) for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    print(
-        f"\none decode step against its matmuls alone ({len(weights)} weights, {args.dtype}, prompts of "
-        f"{ids.size(1)} columns, median of {n})\n\n| rows | decode step ms | GEMM-only ms | ratio |\n"
-        "|---:|---:|---:|---:|"
-    )
-    for rows in row_counts:
-        r_ids, r_mask = (t.repeat_interleave(-(-rows // len(exs)), 0)[:rows] for t in (ids, mask))  # (rows, P)
-        pos, cache = (r_mask.cumsum(-1) - 1).clamp(min=0), rollout._Cache(config=model.config)  # sample()'s
-        x = {w.size(1): torch.randn(rows, w.size(1), dtype=dtype) for w in weights}
-        t_dec, t_mm, tok_ = [], [], torch.full((rows, 1), 100)
-        kw = rollout._cache_kwarg(model.get_decoder(), cache)  # past_key_values, or cache from transformers 5.24
-        with torch.no_grad(), rollout._autocast(model, dtype):  # as sample(): one region, weights cast once
-            model(input_ids=r_ids, attention_mask=r_mask, position_ids=pos, **kw, use_cache=True)
-            pos = pos[:, -1:]  # (rows, 1)
-            for _ in range(n + 2):  # two warm-ups
-                r_mask, pos = F.pad(r_mask, (0, 1), value=1), pos + 1  # (rows, P+1...), (rows, 1)
-                t = time.perf_counter()
-                model(input_ids=tok_, attention_mask=r_mask, position_ids=pos, **kw, use_cache=True)
-                t_dec.append(time.perf_counter() - t)
-                t = time.perf_counter()
-                for w in weights:
-                    F.linear(x[w.size(1)], w)
-                t_mm.append(time.perf_counter() - t)
-        d, m = (statistics.median(v[2:]) * 1e3 for v in (t_dec, t_mm))
-        print(f"| {rows} | {d:.1f} | {m:.1f} | {d / m:.2f}x |", flush=True)
-
-
 def step_flops(cfg, prompts, G, p, c, micro_batch=None):
     """Matmul FLOPs of one step by phase, from the model's shapes: B prompts of p tokens, G completions of c
     tokens each. Forward: 2 * (layer weights + head) per token + attention 4 * L * H * context; the prompt runs
@@ -485,11 +353,6 @@ print(
 def fmt(x, spec=".1f"):
     return "-" if x is None else format(x, spec)
 
-
-DECODE_ROWS = sorted({16, args.prompts_per_step * args.group_size})  # 16, and the step's rows
-if args.decode:
-    decode_vs_gemm(DECODE_ROWS)
-    sys.exit(0)
 
 if args.grid:  # cost growth, one side at a time: G at 128 tokens, then tokens at G = 8
     points = [dict(group_size=g, max_new_tokens=128) for g in (4, 8, 16)] + [
@@ -575,4 +438,3 @@ if args.rounds > 1:
                 *(statistics.median(r[i] for r in rs) for i in range(3))
             )
         )
-decode_vs_gemm(DECODE_ROWS)  # the decode step's gap to its own matmuls, on this CPU
