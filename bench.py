@@ -361,7 +361,10 @@ if args.grid:  # cost growth, one side at a time: G at 128 tokens, then tokens a
     trl_points = [dict(group_size=4, max_new_tokens=128), dict(group_size=8, max_new_tokens=128)]
     print("\n| side | G | max new tokens | step s | generate s | train s | mean completion len | peak RSS GiB |")
     print("|---|---|---|---|---|---|---|---|")
-    for side, pts in [("ours", points)] + ([("trl", trl_points)] if args.vs_trl else []):
+    sides = [("ours", points)]
+    if args.vs_trl:
+        sides.append(("trl", trl_points))
+    for side, pts in sides:
         for pt in pts:
             med, peak, _, _ = run_side(side, **pt)
             print(

@@ -36,8 +36,10 @@ def extract_strict(text):
 def extract_boxed(text):
     """Contents of the last `\\boxed{...}` (nested braces allowed), or None if absent/unclosed."""
     _, box, rest = text.rpartition("\\boxed{")
+    if not box:
+        return None
     depth = 1
-    for j, ch in enumerate(rest if box else ""):
+    for j, ch in enumerate(rest):
         depth += {"{": 1, "}": -1}.get(ch, 0)
         if depth == 0:
             return rest[:j].strip()

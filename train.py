@@ -175,8 +175,9 @@ rdt = dtype if ref_device == device or dtype == torch.float32 or native_bf16(ref
 notes += [note, rdt != dtype and f"note: the reference on {ref_device} computes in fp32 (no native {dtype})"]
 if master and (problem := run.claim(args.out_dir, args.resume, args.overwrite)):  # else locked until the end
     p.error(problem)
-for line in filter(None, notes if master else []):
-    print(line)
+for line in filter(None, notes):
+    if master:
+        print(line)
 if ddp:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     dist.barrier()  # rank 0 has made the out dir
@@ -365,8 +366,9 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     # 4. mu optimizer steps on this batch, each accumulating gradients over micro-batches
     stats = {}
     first_logp = torch.zeros(N, C, device=device)
-    skip = num_sequences.item() == 0
-    for it in range(0 if skip else args.mu):  # skip: no group with a reward spread, nothing to learn
+    skip = num_sequences.item() == 0  # no group with a reward spread: nothing to learn
+    iterations = 0 if skip else args.mu
+    for it in range(iterations):
         with rollout.cast_once(device):  # each weight cast to bf16 once for the micro-batches
             for j, (rows, ids, mask, c) in enumerate(rollout.micro_batches(r, args.micro_batch)):
                 kl_ref = (ref.get_output_embeddings(), ref_out[j]) if full_kl else None  # the full KL's reference
