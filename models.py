@@ -39,26 +39,29 @@ def resolve_device(name, local_rank=None):
     return device
 
 
-def native_bf16(device):
-    """Whether bf16 matmuls are native on `device`: a CPU needs AVX-512 or AMX for oneDNN's bf16 kernels (an
-    AVX2-only CPU emulates them, several times slower than fp32: BENCHMARKS.md); pre-Ampere GPUs emulate too."""
+def native(device, dtype):
+    """Whether `dtype`'s matmuls are native on `device`: a CPU needs oneDNN's kernels, bf16 from AVX-512 or AMX, fp16
+    from AVX-512-FP16 or AMX-FP16 (else emulated, several times slower than fp32: BENCHMARKS.md); pre-Ampere GPUs
+    emulate bf16."""
     if device.type == "cuda":
-        return torch.cuda.is_bf16_supported(including_emulation=False)
+        return dtype != torch.bfloat16 or torch.cuda.is_bf16_supported(including_emulation=False)
+    probe = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
+    if device.type != "cpu" or probe is None:  # fp32, or another backend's business
+        return True
     try:
-        return device.type != "cpu" or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return bool(getattr(torch.ops.mkldnn, probe)())
     except (AttributeError, RuntimeError):  # a build without oneDNN
         return False
 
 
 def resolve_dtype(name, device):
     """--dtype -> (torch dtype, a one-line note or None). 'auto' is bf16 where its matmuls are native, else fp32."""
-    why = f"{device.type} has no native bf16 matmuls"
     if name == "auto":
-        if native_bf16(device):
+        if native(device, torch.bfloat16):
             return torch.bfloat16, None
-        return torch.float32, f"dtype auto -> float32: {why}"
-    if DTYPES[name] == torch.bfloat16 and not native_bf16(device):
-        return torch.bfloat16, f"note: {why}: bfloat16 runs emulated, several times slower than --dtype float32 or auto"
+        return torch.float32, f"dtype auto -> float32: {device.type} has no native bf16 matmuls"
+    if not native(device, DTYPES[name]):
+        return DTYPES[name], f"note: {device.type} has no native {name} matmuls: emulated, far slower than --dtype auto"
     return DTYPES[name], None
 
 

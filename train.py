@@ -13,7 +13,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import grpo, rollout, run, tasks  # noqa: E401
-from models import DTYPES, check_dtype, load_model, load_tokenizer, native_bf16, resolve_device, resolve_dtype
+from models import DTYPES, check_dtype, load_model, load_tokenizer, native, resolve_device, resolve_dtype
 from rewards import REWARDS, RewardError, check_fields, combine_rewards, overlong_reward, parse_weights
 
 # --- flags: defaults here, then --config files, then the command line (run.parse checks every value)
@@ -171,7 +171,7 @@ except ValueError as e:  # ModelError, DataError: what was named cannot be used
 if len(train_set) < args.prompts_per_step:
     p.error(f"the train split has {len(train_set)} examples, fewer than --prompts-per-step {args.prompts_per_step}")
 args.dtype = str(dtype).removeprefix("torch.")  # run.json records what ran: a resume keeps it
-rdt = dtype if ref_device == device or dtype == torch.float32 or native_bf16(ref_device) else torch.float32  # ref's
+rdt = dtype if ref_device == device or native(ref_device, dtype) else torch.float32  # the reference's dtype
 notes += [note, rdt != dtype and f"note: the reference on {ref_device} computes in fp32 (no native {dtype})"]
 if master and (problem := run.claim(args.out_dir, args.resume, args.overwrite)):  # else locked until the end
     p.error(problem)

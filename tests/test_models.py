@@ -15,7 +15,7 @@ from models import (
     check_dtype,
     load_model,
     load_tokenizer,
-    native_bf16,
+    native,
     resolve_device,
     resolve_dtype,
     resolve_model,
@@ -170,24 +170,34 @@ def _cpu_flags():
 
 
 @pytest.mark.skipif(_cpu_flags() is None, reason="no x86 /proc/cpuinfo flags here")
-def test_native_bf16_on_cpu_follows_the_cpu_flags():
-    """oneDNN runs bf16 natively from AVX-512 (F, BW, VL, DQ), AMX or AVX-NE-CONVERT; plain AVX2 emulates it."""
+def test_native_on_cpu_follows_the_cpu_flags():
+    """oneDNN runs bf16 natively from AVX-512 (F, BW, VL, DQ), AMX or AVX-NE-CONVERT; plain AVX2 emulates it. fp16
+    needs AVX-512-FP16 or AMX-FP16 (or AVX-NE-CONVERT's family); fp32 is always native. Fails if fp16 is asked with
+    bf16's probe (an EPYC Zen 4: bf16 native, fp16 emulated, 4-54x slower than fp32) or fp32 is reported emulated."""
     flags = _cpu_flags()
     expected = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags or bool({"amx_bf16", "avx_ne_convert"} & flags)
-    assert native_bf16(CPU) == expected
+    assert native(CPU, torch.bfloat16) == expected
+    if {"avx512_fp16", "amx_fp16"} & flags:
+        assert native(CPU, torch.float16)
+    elif "avx_ne_convert" not in flags:
+        assert not native(CPU, torch.float16)
+    assert native(CPU, torch.float32)
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_resolve_dtype_auto_and_explicit(monkeypatch, native):
-    monkeypatch.setattr(models, "native_bf16", lambda device: native)
+@pytest.mark.parametrize("is_native", [True, False])
+def test_resolve_dtype_auto_and_explicit(monkeypatch, is_native):
+    """auto: bf16 where native, else fp32 with a note; an explicit bf16 or fp16 is honoured, with a note naming it and
+    --dtype auto where it is emulated. Fails if an emulated explicit dtype passes silently."""
+    monkeypatch.setattr(models, "native", lambda device, dtype: is_native or dtype == torch.float32)
     dtype, note = resolve_dtype("auto", CPU)
-    assert (dtype, note is None) == ((torch.bfloat16, True) if native else (torch.float32, False))
-    if not native:
+    assert (dtype, note is None) == ((torch.bfloat16, True) if is_native else (torch.float32, False))
+    if not is_native:
         assert note == "dtype auto -> float32: cpu has no native bf16 matmuls"
-    dtype, note = resolve_dtype("bfloat16", CPU)  # explicit: honoured, with a note where it is slow
-    assert dtype == torch.bfloat16 and (note is None) == native
-    if not native:
-        assert "--dtype float32" in note
+    for name in ("bfloat16", "float16"):
+        dtype, note = resolve_dtype(name, CPU)  # explicit: honoured, with a note where it is slow
+        assert dtype == getattr(torch, name) and (note is None) == is_native
+        if not is_native:
+            assert name in note and "--dtype auto" in note, note
     assert resolve_dtype("float32", CPU) == (torch.float32, None)
 
 

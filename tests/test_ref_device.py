@@ -38,8 +38,8 @@ def apart(monkeypatch):
         return model
 
     monkeypatch.setattr(models, "load_model", load_model)
-    real_native = models.native_bf16
-    monkeypatch.setattr(models, "native_bf16", lambda d: str(d) != "cpu:0" and real_native(d))
+    real_native = models.native
+    monkeypatch.setattr(models, "native", lambda d, dtype: str(d) != "cpu:0" and real_native(d, dtype))
     monkeypatch.setattr(models, "check_dtype", lambda *a: None)  # bf16 runs on any CPU (emulated, slower)
     return seen
 
@@ -65,6 +65,18 @@ def test_the_same_device_keeps_the_policys_dtype_and_a_zero_kl(model_dir, tmp_pa
     assert ref_device == "cpu" and ref_dtypes == {torch.float32, torch.bfloat16}  # matmul weights as autocast's
     assert set(apart["ref_calls"]) == {(True, torch.float32)}  # the residual stream in fp32, matmuls in bf16
     assert read_metrics(str(tmp_path))[0]["kl"] == 0.0
+
+
+def test_an_fp16_policy_gets_an_fp32_reference_where_fp16_is_emulated(model_dir, tmp_path, apart, monkeypatch, capsys):
+    """--dtype float16 with the reference on a device with native bf16 but emulated fp16 (an EPYC CPU): the
+    reference computes in fp32 and one line says so. Fails if the reference's dtype is judged by bf16's support
+    (fp16 kept there: emulated matmuls, several times slower than fp32)."""
+    monkeypatch.setattr(models, "native", lambda d, dtype: not (str(d) == "cpu:0" and dtype == torch.float16))
+    run_script(TRAIN, train_args(model_dir, str(tmp_path), "--dtype", "float16", "--ref-device", "cpu:0", steps=1))
+    assert "reference on cpu:0 computes in fp32" in capsys.readouterr().out
+    (_, policy_device, _), (_, ref_device, ref_dtypes) = apart["loads"]
+    assert (policy_device, ref_device) == ("cpu", "cpu:0") and ref_dtypes == {torch.float32}
+    assert apart["ref_calls"] and set(apart["ref_calls"]) == {(False, torch.float32)}
 
 
 def test_the_full_kl_runs_the_reference_head_on_the_policys_side(model_dir, tmp_path, apart):

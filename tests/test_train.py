@@ -225,7 +225,7 @@ def test_dtype_auto_records_the_dtype_that_ran(model_dir, tmp_path, capsys):
     the resolved dtype, so a resume on another machine computes in the same one."""
     out = str(tmp_path / "run")
     run_script(TRAIN, train_args(model_dir, out, "--dtype", "auto", steps=1))
-    native = models.native_bf16(torch.device("cpu"))
+    native = models.native(torch.device("cpu"), torch.bfloat16)
     want = "bfloat16" if native else "float32"
     assert json.load(open(os.path.join(out, "run.json")))["dtype"] == want
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["config"]["dtype"] == want
