@@ -73,7 +73,7 @@ def decode_vs_gemm(rows, dtype=torch.bfloat16, n=15):
     pos, cache = (r_mask.cumsum(-1) - 1).clamp(min=0), rollout._Cache(config=model.config)  # sample()'s
     x = {w.size(1): torch.randn(rows, w.size(1), dtype=dtype) for w in weights}
     t_dec, t_mm, tok_ = [], [], torch.full((rows, 1), 100)
-    kw = rollout._cache_kwarg(model.get_decoder(), cache)  # past_key_values, or cache from transformers 5.24
+    kw = rollout._cache_kwarg(model, cache)  # past_key_values, or cache from transformers 5.24
     with torch.no_grad(), rollout._autocast(model, dtype):  # as sample(): one region, weights cast once
         model(input_ids=r_ids, attention_mask=r_mask, position_ids=pos, **kw, use_cache=True)
         pos = pos[:, -1:]  # (rows, 1)
