@@ -6,6 +6,7 @@ Benchmark one GRPO step of train.py, optionally side by side with TRL's GRPOTrai
     python bench.py --vs-trl --trl-one-pass  # + TRL with all 16 completions in one pass, as a labelled extra row
     python bench.py --vs-trl --rev A --rev B  # ours from commits A and B (one row each) and TRL, in turn
     python bench.py --grid                # cost growth: group size 4/8/16, max new tokens 64/128/256
+    python bench.py --random-init qwen2.5-0.5b  # a model of that shape with random weights (no weights to fetch)
 
 Each phase alone: `python bench_profile.py` (the training pass; --sample: the sampling; --decode: one decode step
 against its matmuls alone). torch.compile of the training forward: `python bench_compile.py`.
@@ -29,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -88,6 +90,15 @@ p.add_argument(
     help="ours from this git revision (a `git archive` of it in a temporary folder) instead of the working tree; "
     "several (--rev A B, or --rev A --rev B): one row each, every revision and TRL in turn in each round",
 )
+p.add_argument(
+    "--random-init",
+    default=None,
+    metavar="SHAPE",
+    help="both sides: a model built from a config with random weights over --model's tokenizer (a GPU machine with "
+    "no weights at hand): 'same' (--model's own config) or a larger model's shape: "
+    "qwen2.5-0.5b, qwen2.5-1.5b. No answer is then right: a reward of the completion's hash keeps every group "
+    "training, and completions run to --max-new-tokens",
+)
 p.add_argument("--child", choices=["ours", "trl"], help=argparse.SUPPRESS)
 p.add_argument("--src", default=HERE, help=argparse.SUPPRESS)
 p.add_argument("--out", default=None, help=argparse.SUPPRESS)
@@ -110,6 +121,60 @@ if not args.child:  # every number's range; a flag of another mode is no flag he
         p.error("--rounds and --trl-one-pass compare against TRL: add --vs-trl or drop them")
     if args.rev and args.grid:
         p.error("--rev picks the code of the step benchmark's rows: drop --grid with it")
+SHAPES = {  # --random-init: the config fields that make --model's config another model's shape
+    "same": {},
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14),
+    "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12),
+}
+QWEN = dict(num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True)  # and q/k/v biases: Qwen2's own
+if args.random_init and args.random_init not in SHAPES:
+    p.error(f"--random-init {args.random_init}: choose one of {', '.join(SHAPES)}")
+
+
+def random_model(name, shape):
+    """A folder with --model's tokenizer and a model of `shape` with random weights (seed 0), made once per shape in
+    the cache; written beside and renamed, so a killed run leaves no half folder."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
+
+    from models import CACHE_DIR, load_tokenizer, resolve_model
+
+    src = os.path.abspath(resolve_model(name))  # its tokenizer's folder, named and hashed: two folders, two entries
+    out = os.path.join(CACHE_DIR, "random", f"{shape}-{os.path.basename(src)}-{zlib.crc32(src.encode()):08x}")
+    if os.path.isdir(out):
+        return out
+    tok = load_tokenizer(name)
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    if SHAPES[shape]:
+        cfg = Qwen2Config(**SHAPES[shape], **QWEN, **ids, rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+    else:
+        cfg = AutoConfig.from_pretrained(resolve_model(name))
+    torch.manual_seed(0)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f"{shape}-", dir=os.path.dirname(out))
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def bench_task():
+    """The task both sides train on: GSM8K, with --random-init a reward of the completion's hash (spread in every
+    group, so neither side skips a group's training)."""
+    from tasks import TASKS
+
+    task = TASKS["gsm8k"]
+    if not args.random_init:
+        return task
+
+    def noise(completions, **_):
+        return [zlib.crc32(c.encode()) % 1000 / 1000 for c in completions]
+
+    return task._replace(reward_fns={"noise": noise}, reward_weights={"noise": 1.0})
+
+
+if args.random_init:
+    args.model = random_model(args.model, args.random_init)
 if args.dtype == "auto":  # resolved here, so that TRL's side runs in the same dtype as ours
     from models import resolve_device, resolve_dtype
 
@@ -168,8 +233,12 @@ def ours_child(out):
         + (["--data-dir", args.data_dir] if args.data_dir else [])
         + (["--ref-device", args.ref_device] if args.ref_device else [])
     )
-    sys.path.insert(0, args.src)  # train.py imports --src's modules: bench's own `run` is dropped
-    sys.modules.pop("run")
+    sys.path.insert(0, args.src)  # train.py imports --src's modules: bench's own are dropped
+    for name in ("run", "models"):
+        sys.modules.pop(name, None)
+    import tasks
+
+    tasks.TASKS["gsm8k"] = bench_task()
     runpy.run_path(os.path.join(args.src, "train.py"), run_name="__main__")
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     keys = ("t_step", "t_generate", "t_reference", "t_train", "completion_len", "prompt_len", "loss")
@@ -185,9 +254,8 @@ def trl_child(out):
 
     from models import load_tokenizer, resolve_model
     from rewards import REWARDS, combine_rewards
-    from tasks import TASKS
 
-    task = TASKS["gsm8k"]
+    task = bench_task()
     examples = task.load("train", data_dir=args.data_dir)[: args.steps * args.prompts_per_step]
     data = Dataset.from_list([{"prompt": task.prompt(ex), "answer": ex["answer"]} for ex in examples])
 
@@ -307,16 +375,22 @@ def checkout(rev):
 
 
 def matmul_gflops(dtype, n=10):
-    """The machine's matmul speed in `dtype` (GFLOP/s): SmolLM2's MLP shape, 2048 x 576 by 576 x 1536, median of n."""
+    """The machine's matmul speed in `dtype` (GFLOP/s), median of n: on a CPU SmolLM2's MLP shape, 2048 x 576 by
+    576 x 1536; on a GPU 8192 x 8192 by 8192 x 8192, its ceiling (a shape that small only times a kernel launch)."""
     import torch
 
-    a, b = torch.randn(2048, 576, dtype=dtype), torch.randn(576, 1536, dtype=dtype)
+    gpu = torch.cuda.is_available()
+    m, k, c = (8192, 8192, 8192) if gpu else (2048, 576, 1536)
+    a = torch.randn(m, k, dtype=dtype, device="cuda" if gpu else "cpu")
+    b = torch.randn(k, c, dtype=dtype, device=a.device)
     times = []
     for _ in range(n + 2):
         t = time.perf_counter()
         a @ b
+        if gpu:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
-    return 2 * 2048 * 576 * 1536 / statistics.median(times[2:]) / 1e9
+    return 2 * m * k * c / statistics.median(times[2:]) / 1e9
 
 
 def step_flops(cfg, prompts, G, p, c, micro_batch=None):
@@ -341,6 +415,9 @@ def step_flops(cfg, prompts, G, p, c, micro_batch=None):
 
 cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
 import torch  # noqa: E402 (only for the machine line)
+
+if torch.cuda.is_available():
+    cpu = f"{torch.cuda.get_device_name()} (CUDA {torch.version.cuda}), host {cpu}"
 
 print(
     f"# {time.strftime('%Y-%m-%d')} | {cpu} | {os.cpu_count()} cores, torch {torch.__version__}, "

@@ -179,7 +179,7 @@ class EnvDriver:
         answer is still checked); on a row's last budget token its environment's end(text) judges what is left."""
         N, ids, left = tok.numel(), tok.tolist(), left.tolist()
         own, reply, end = [False] * N, [False] * N, stopped.tolist()
-        active = [i for i in range(N) if not done[i]]
+        active = [i for i, d in enumerate(done.tolist()) if not d]  # one read of the device's tensor, not N
         waiting = [self._pending[i][0] for i in active if self._pending[i] is not None]
         if waiting and len(waiting) == len(active):
             wait(waiting, return_when=FIRST_COMPLETED)

@@ -140,7 +140,8 @@ def _autocast(model, dtype):
 
 
 def cast_once(device):
-    """Outermost around micro-batches, a disabled autocast keeps autocast's cache of weight casts until it ends."""
+    """Outermost around micro-batches, a disabled autocast keeps autocast's cache of weight casts until it ends (on a
+    CPU; on CUDA the head's checkpointed recompute, in autograd's device thread, clears it: BENCHMARKS.md)."""
     return torch.autocast(device.type, enabled=False)
 
 
@@ -234,7 +235,7 @@ def sample(
     tokens = tokens.masked_fill(~(own | reply), pad_id)
     is_stop = torch.isin(tokens, stop) & own  # (N, C)
     words = own & ~is_stop  # (N, C) the model's own words: its tokens, each turn's stop token left out
-    completions = tokenizer.batch_decode([t[w].tolist() for t, w in zip(tokens, words)], skip_special_tokens=True)
+    completions = tokenizer.batch_decode([t[w] for t, w in zip(tokens.cpu(), words.cpu())], skip_special_tokens=True)
     trajectories, states = completions, None
     if env is not None:  # its words turn by turn, the whole conversation, the environments' states
         completions, trajectories, states = env.texts(tokens, words, reply, is_stop)

@@ -27,6 +27,10 @@ EPS32 = torch.finfo(torch.float32).eps  # 2^-23: one fp32 rounding, relative
 VALUES, DECODE, GRADS = 64, 128, 256  # in EPS32 of the largest |value| (x 1.2e-7: 7.6e-6, 1.5e-5, 3.1e-5)
 
 
+# the devices a test that takes one runs on: the CPU, and a CUDA GPU where there is one
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"))]
+
+
 def assert_close_scaled(got, want, k=VALUES, msg=None):
     """Every element of got within k * EPS32 * max|want| of want (rtol 0)."""
     torch.testing.assert_close(got, want, rtol=0, atol=k * EPS32 * want.detach().abs().max().item(), msg=msg)
