@@ -59,20 +59,25 @@ def draw():
 def decode_vs_gemm(rows, dtype=torch.bfloat16, n=15):
     """Print the median ms of one decode step (rollout.sample's call: the model on its KV cache of the two GSM8K
     prompts, left-padded, repeated to `rows`, under one autocast region) beside the median ms of its matmuls alone: a
-    (rows, in) activation by every nn.Linear weight (lm_head included), weights cast once to the same dtype. The two
-    alternate, so the machine's drift hits both."""
+    (rows, in) activation by every nn.Linear weight (lm_head included), weights cast once to the same dtype, and the
+    same matmuls with each weight prepacked once for oneDNN (what a frozen compiled graph does; F.linear, which the
+    model's nn.Linear calls, lays each weight out again per call). The three alternate, so the machine's drift hits
+    all."""
     model.eval()
     ids, mask = rollout.left_pad(rollout.encode_prompts(tok, prompts), 0)  # (B, P)
     weights = [m.weight.detach().to(dtype) for m in model.modules() if isinstance(m, torch.nn.Linear)]
     print(
         f"\none decode step against its matmuls alone ({len(weights)} weights, {str(dtype).removeprefix('torch.')}, "
-        f"prompts of {ids.size(1)} columns, median of {n})\n\n| rows | decode step ms | GEMM-only ms | ratio |\n"
-        "|---:|---:|---:|---:|"
+        f"prompts of {ids.size(1)} columns, median of {n})\n\n"
+        "| rows | decode step ms | GEMM-only ms | ratio | GEMM-only, weights prepacked ms |\n|---:|---:|---:|---:|---:|"
     )
     r_ids, r_mask = (t.repeat_interleave(-(-rows // len(prompts)), 0)[:rows] for t in (ids, mask))  # (rows, P)
     pos, cache = (r_mask.cumsum(-1) - 1).clamp(min=0), rollout._Cache(config=model.config)  # sample()'s
     x = {w.size(1): torch.randn(rows, w.size(1), dtype=dtype) for w in weights}
-    t_dec, t_mm, tok_ = [], [], torch.full((rows, 1), 100)
+    packed = []
+    if torch.backends.mkldnn.is_available():  # a build without oneDNN prints "-" there
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w, rows) for w in weights]
+    t_dec, t_mm, t_pack, tok_ = [], [], [], torch.full((rows, 1), 100)
     kw = rollout._cache_kwarg(model, cache)  # past_key_values, or cache from transformers 5.24
     with torch.no_grad(), rollout._autocast(model, dtype):  # as sample(): one region, weights cast once
         model(input_ids=r_ids, attention_mask=r_mask, position_ids=pos, **kw, use_cache=True)
@@ -86,8 +91,15 @@ def decode_vs_gemm(rows, dtype=torch.bfloat16, n=15):
             for w in weights:
                 F.linear(x[w.size(1)], w)
             t_mm.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            for w, w_packed in zip(weights, packed):
+                torch.ops.mkldnn._linear_pointwise(x[w.size(1)], w_packed, None, "none", [], "")
+            t_pack.append(time.perf_counter() - t)
     d, m = (statistics.median(v[2:]) * 1e3 for v in (t_dec, t_mm))
-    print(f"| {rows} | {d:.1f} | {m:.1f} | {d / m:.2f}x |", flush=True)
+    k = "-"
+    if packed:
+        k = f"{statistics.median(t_pack[2:]) * 1e3:.1f}"
+    print(f"| {rows} | {d:.1f} | {m:.1f} | {d / m:.2f}x | {k} |", flush=True)
 
 
 print(f"# {time.strftime('%Y-%m-%d')} | {torch.get_num_threads()} threads | {args.src}")
