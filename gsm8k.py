@@ -9,7 +9,6 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from rewards import extract_gold
 from tasks import DataError, check_generated
 
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
@@ -17,6 +16,15 @@ GSM8K_SHA256 = {
     "train": "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465",
     "test": "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14",
 }
+
+
+def extract_gold(solution_text):
+    """Gold answer of a GSM8K solution: the text after the last `####`, commas stripped ("#### 1,005" -> "1005")."""
+    gold = solution_text.rsplit("####", 1)[1].strip().replace(",", "") if "####" in solution_text else None
+    if not gold:
+        what = "no '#### <answer>' line" if gold is None else "nothing after '####'"
+        raise ValueError(f"{what} in solution: {solution_text[-80:]!r}")
+    return gold
 
 
 def download(split, path):

@@ -17,7 +17,8 @@ def reward_model(model, tokenizer):
 
     @torch.no_grad()
     def fn(completions, question, **_):  # any field of the task's examples can be asked for by name
-        ids = [tokenizer(q + c)["input_ids"] for q, c in zip(question, completions)]
+        texts = [q + c for q, c in zip(question, completions)]  # a control token's string in them stays text
+        ids = [tokenizer(t, split_special_tokens=True)["input_ids"] for t in texts]
         T = max(map(len, ids))  # padded on the right: a causal model never looks ahead at it
         input_ids = torch.tensor([x + [pad] * (T - len(x)) for x in ids], device=device)  # (N, T)
         mask = torch.tensor([[1] * len(x) + [0] * (T - len(x)) for x in ids], device=device)  # (N, T)

@@ -19,15 +19,6 @@ FRAC_RE = re.compile(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}")
 
 
 # --- answer extraction
-def extract_gold(solution_text):
-    """Gold answer of a GSM8K solution: the text after the last `####`, commas stripped ("#### 1,005" -> "1005")."""
-    gold = solution_text.rsplit("####", 1)[1].strip().replace(",", "") if "####" in solution_text else None
-    if not gold:
-        what = "no '#### <answer>' line" if gold is None else "nothing after '####'"
-        raise ValueError(f"{what} in solution: {solution_text[-80:]!r}")
-    return gold
-
-
 def extract_strict(text):
     """The number on the first `#### N` line, or None (a model that runs on answered with its first)."""
     return m.group(1) if (m := STRICT_RE.search(text)) else None

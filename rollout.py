@@ -64,18 +64,24 @@ class Rollout:
 
 def encode_prompts(tokenizer, prompts, env=None):
     """Prompts (chat messages or strings) -> token-id lists; without a chat template messages join by newlines.
-    env (envs.EnvDriver): its environment shown as the template can show it (a ToolEnv's tools)."""
+    env (envs.EnvDriver): its environment shown as the template can show it (a ToolEnv's tools). Control tokens are
+    the template's own: one's string in a message (a data file's, an environment's) is tokenized as text."""
+    specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
     out = []
     for p in prompts:
-        if tokenizer.chat_template:
-            messages, tools = ([{"role": "user", "content": p}] if isinstance(p, str) else p), {}
-            if env is not None:
-                messages, tools = env.render(messages)
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **tools)
-            out.append(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template has its own BOS
-        else:
-            text = p if isinstance(p, str) else "\n".join(m["content"] for m in p)
-            out.append(tokenizer(text)["input_ids"])
+        messages, tools = ([{"role": "user", "content": p}] if isinstance(p, str) else p), {}
+        if not tokenizer.chat_template:
+            out.append(tokenizer("\n".join(m["content"] for m in messages), split_special_tokens=True)["input_ids"])
+            continue
+        if env is not None:
+            messages, tools = env.render(messages)
+        if any(s in str(m.get("content")) for m in messages for s in specials):
+            import chat  # imported only for such a message
+
+            out.append(chat.template_ids(tokenizer, messages, tools, specials))
+            continue
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **tools)
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])  # the template has its own BOS
     return out
 
 

