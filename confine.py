@@ -84,7 +84,7 @@ def new_root():  # the system's directories read-only, two devices, a tmpfs /tmp
     disk = "size=%s,mode=0700,uid=%d,gid=%d" % (conf["disk"], owner, group)
     mount("tmpfs", TOP + "/tmp", "tmpfs", NOSUID | NODEV, disk)
     write_program(TOP + "/tmp/main.py")
-    os.chdir(TOP)  # as switch_root: the new root over the old one, then chroot into it
+    os.chdir(TOP)  # as switch_root does: the built tree moved onto /, then chroot into it
     mount(".", "/", None, MOVE)
     os.chroot(".")
     mount(None, "/", None, REMOUNT | BIND | RDONLY | NOSUID | NODEV)
