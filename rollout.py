@@ -4,8 +4,9 @@ Rows are grouped contiguously (prompt i owns rows i*G ... i*G+G-1); prompts left
 position_ids = cumsum(attention_mask) - 1; completion_mask runs up to AND including the first stop token, found by
 position, never from pad_token_id (SmolLM2's pad is its EOS: the model would never learn to stop)."""
 
+import importlib
 import inspect
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass, fields
 
 import torch
@@ -104,6 +105,46 @@ def stop_token_ids(tokenizer, model):
     return sorted(i for i in ids if i is not None)
 
 
+def decode_dynamic(model, cache, logits, mask, u, *, sampler, stop, pad_id, env, dtype):
+    """The rows' loop on the DynamicCache -> tokens, log-probs, own, reply (N, C) with holes dropped, ended (N,)"""
+    (N, T), G = u.shape, u.size(0) // logits.size(0)
+    done = torch.zeros(N, dtype=torch.bool, device=u.device)  # (N,) a row that stopped or used its budget
+    ended = torch.zeros(N, dtype=torch.bool, device=u.device)  # (N,) a row its stop token or environment ended
+    used = torch.zeros(N, dtype=torch.long, device=u.device)  # (N,) budget used: own tokens and replies fed
+    cols = []  # per step: token, log-prob, own, reply (N,) each
+    cached = _cache_kwarg(model, cache)
+    with torch.no_grad(), _autocast(model, dtype):  # one context for the loop: autocast casts each weight once
+        logits = logits.repeat_interleave(G, 0)  # (N, V)
+        cache.batch_repeat_interleave(G)
+        pos = (mask.sum(1, keepdim=True) - 1).repeat_interleave(G, 0)  # (N, 1) each prompt's last position
+        mask = mask.repeat_interleave(G, 0)  # (N, P)
+        while True:
+            scaled = sampler.logits(logits)  # (N, V)
+            ut = u.gather(1, used[:, None].clamp(max=T - 1)).squeeze(1)  # (N,) by the row's own count
+            tok = sample_from_logits(scaled, ut) if sampler.temperature else scaled.argmax(-1)  # (N,)
+            own, tok = ~done, tok.masked_fill(done, pad_id)  # (N,)
+            reply = torch.zeros_like(done)  # (N,) a row fed an environment's reply token
+            end = torch.isin(tok, stop) & own  # (N,) a row whose turn ends here
+            if env is not None:  # a row in a reply takes the reply's next token; a waiting row a hole
+                tok, own, reply, end = env.step(tok, done, end, T - 1 - used)
+            fed = own | reply  # (N,)
+            cols.append((tok, scaled.log_softmax(-1).gather(1, tok[:, None]).squeeze(1), own, reply))
+            used += fed
+            ended |= end
+            done |= end | (used == T)
+            if bool(done.all()):
+                break
+            # a stopped row keeps mask 1 (padding to the trainer): the batch's masks, and so every row's bf16
+            # attention numerics, are those of a run without environments
+            seen = fed | done
+            mask, pos = torch.cat([mask, seen[:, None].long()], 1), pos + seen[:, None]  # (N, P+t+1), (N, 1)
+            out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, **cached, use_cache=True)
+            logits = torch.where(fed[:, None], out.logits[:, -1], logits)  # a hole's row samples from its last token
+    tokens, logps, own, reply = (torch.stack(c, 1) for c in zip(*cols))  # (N, steps) each
+    keep = torch.sort((~(own | reply)).long(), dim=1, stable=True).indices[:, : int(used.max())]  # (N, C) holes dropped
+    return *(x.gather(1, keep) for x in (tokens, logps, own, reply)), ended
+
+
 @dataclass(frozen=True)
 class Sampler:  # the sampler draws from logits(z), the trainer scores under it: they agree by construction
     temperature: float = 1.0  # 0: greedy. A field is train.py's flag of its name, else a config key (top_k: a fork)
@@ -165,13 +206,15 @@ def sample(
     max_prompt_tokens=None,
     env=None,
     examples=None,
+    loop=None,
 ):
     """`group_size` completions per prompt, drawn from sampler.logits, through `model(...)` and its KV cache: a prompt
     prefilled once, its cache repeated G times; the rows decode together to a stop token or max_new_tokens. generator:
     one, or one per prompt (its completions then depend on no neighbour). max_prompt_tokens: a prompt keeps its last.
     env (envs.EnvDriver, with the prompts' examples): one environment per row; a row it answers is fed the reply, one
     token a step, and decodes on; a row waiting on it is a hole (masked out, no position, no budget, no uniform),
-    dropped from the Rollout: a row's tokens do not depend on how long its environment took."""
+    dropped from the Rollout: a row's tokens do not depend on how long its environment took. loop: the decode loop,
+    else the device's (decode_dynamic; on CUDA decode.py's captured step, where its probe passes the model)."""
     if group_size < 1 or max_new_tokens < 1 or not sampler.temperature >= 0:
         raise ValueError(
             f"need G, max_new_tokens >= 1, temperature >= 0: {group_size, max_new_tokens, sampler.temperature}"
@@ -193,51 +236,19 @@ def sample(
     gens, rows = (generator, G) if isinstance(generator, (list, tuple)) else ([generator], N)
     u = torch.cat([torch.rand(rows, max_new_tokens, generator=g, device=g and g.device) for g in gens]).to(device)
     stop = torch.as_tensor(stop_ids, device=device)
-    done = torch.zeros(N, dtype=torch.bool, device=device)  # (N,) a row that stopped or used its budget
-    ended = torch.zeros(N, dtype=torch.bool, device=device)  # (N,) a row its stop token or environment ended
-    used = torch.zeros(N, dtype=torch.long, device=device)  # (N,) budget used: own tokens and replies fed
-    cols = []  # per step: token, log-prob, own, reply (N,) each
     cache = _Cache(config=model.config)
-    cached = _cache_kwarg(model, cache)
     try:
-        with torch.no_grad(), _autocast(model, dtype):  # one context for the loop: autocast casts each weight once
+        with torch.no_grad(), _autocast(model, dtype):  # each prompt once; its G rows share its cache
             pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
-            logits = (
-                model(input_ids=ids, attention_mask=mask, position_ids=pos, **cached, use_cache=True, logits_to_keep=1)
-                .logits[:, -1]
-                .repeat_interleave(G, 0)
-            )  # (N, V)
-            cache.batch_repeat_interleave(G)
-            mask, pos = mask.repeat_interleave(G, 0), pos[:, -1:].repeat_interleave(G, 0)  # (N, P), (N, 1)
-            while True:
-                scaled = sampler.logits(logits)  # (N, V)
-                ut = u.gather(1, used[:, None].clamp(max=max_new_tokens - 1)).squeeze(1)  # (N,) by the row's own count
-                tok = sample_from_logits(scaled, ut) if sampler.temperature else scaled.argmax(-1)  # (N,)
-                own, tok = ~done, tok.masked_fill(done, pad_id)  # (N,)
-                reply = torch.zeros_like(done)  # (N,) a row fed an environment's reply token
-                end = torch.isin(tok, stop) & own  # (N,) a row whose turn ends here
-                if env is not None:  # a row in a reply takes the reply's next token; a waiting row a hole
-                    tok, own, reply, end = env.step(tok, done, end, max_new_tokens - 1 - used)
-                fed = own | reply  # (N,)
-                cols.append((tok, scaled.log_softmax(-1).gather(1, tok[:, None]).squeeze(1), own, reply))
-                used += fed
-                ended |= end
-                done |= end | (used == max_new_tokens)
-                if bool(done.all()):
-                    break
-                # a stopped row keeps mask 1 (padding to the trainer): the batch's masks, and so every row's bf16
-                # attention numerics, are those of a run without environments
-                seen = fed | done
-                mask, pos = torch.cat([mask, seen[:, None].long()], 1), pos + seen[:, None]  # (N, P+t+1), (N, 1)
-                out = model(
-                    input_ids=tok[:, None], attention_mask=mask, position_ids=pos, **cached, use_cache=True
-                ).logits[:, -1]  # (N, V)
-                logits = torch.where(fed[:, None], out, logits)  # a hole's row samples from its last real token
+            kv = _cache_kwarg(model, cache)
+            out = model(input_ids=ids, attention_mask=mask, position_ids=pos, **kv, use_cache=True, logits_to_keep=1)
+        if loop is None and device.type == "cuda":  # a static cache and the step captured (decode.py)
+            loop = importlib.import_module("decode").on_cuda
+        tokens, logps, own, reply, ended = (loop or decode_dynamic)(
+            model, cache, out.logits[:, -1], mask, u, sampler=sampler, stop=stop, pad_id=pad_id, env=env, dtype=dtype
+        )  # (N, C) each, holes dropped; ended (N,)
     finally:
         model.train(was_training)
-    tokens, logps, own, reply = (torch.stack(c, 1) for c in zip(*cols))  # (N, steps) each
-    keep = torch.sort((~(own | reply)).long(), dim=1, stable=True).indices[:, : int(used.max())]  # (N, C) holes dropped
-    tokens, logps, own, reply = (x.gather(1, keep) for x in (tokens, logps, own, reply))
     tokens = tokens.masked_fill(~(own | reply), pad_id)
     is_stop = torch.isin(tokens, stop) & own  # (N, C)
     words = own & ~is_stop  # (N, C) the model's own words: its tokens, each turn's stop token left out
@@ -247,7 +258,7 @@ def sample(
         completions, trajectories, states = env.texts(tokens, words, reply, is_stop)
     return Rollout(
         prompt_ids=ids.repeat_interleave(G, 0),
-        prompt_mask=mask[:, : ids.size(1)],
+        prompt_mask=mask.repeat_interleave(G, 0),
         completion_ids=tokens,
         completion_mask=own.long(),  # the model's own tokens, its stop token included
         truncated=~ended,  # the budget ended it (in its own words or in a reply), not its stop token or environment
@@ -378,16 +389,8 @@ def _check_outer(model):
         raise ValueError(f"{c.model_type}: logit softcapping/scaling is not applied by the log-prob pass")
 
 
-@contextmanager
-def _root_gathered(model):
-    """FSDP2 gathers a unit in its forward; the decoder and the lm_head run without the root's, so the root
-    (embeddings, norm, head) is gathered here. With grad, FSDP frees it after backward."""
-    fsdp = hasattr(model, "unshard")
-    if fsdp:
-        model.unshard()
-    yield
-    if fsdp and not torch.is_grad_enabled():
-        model.reshard()
+def _root_gathered(model):  # FSDP2's root (embeddings, norm, head) gathered by scale.py; else there is nothing to do
+    return importlib.import_module("scale").root_gathered(model) if hasattr(model, "unshard") else nullcontext()
 
 
 def _shared_prompts(prompt_ids, prompt_mask):

@@ -107,6 +107,16 @@ def shard(model, device, dtype):
 
 
 @contextmanager
+def root_gathered(model):
+    """FSDP2 gathers a unit in its forward; the decoder and the lm_head run without the root's, so the root
+    (embeddings, norm, head) is gathered here (rollout's log-prob pass). With grad, FSDP frees it after backward."""
+    model.unshard()
+    yield
+    if not torch.is_grad_enabled():
+        model.reshard()
+
+
+@contextmanager
 def gathered(model):
     """Every parameter of a sharded model gathered, for sampling or an eval that then issue no collective
     (every rank must enter). A no-op for a model that is not sharded."""
