@@ -134,8 +134,7 @@ def decode_dynamic(model, cache, logits, mask, u, *, sampler, stop, pad_id, env,
             done |= end | (used == T)
             if bool(done.all()):
                 break
-            # a stopped row keeps mask 1 (padding to the trainer): the batch's masks, and so every row's bf16
-            # attention numerics, are those of a run without environments
+            # a stopped row keeps mask 1 (padding to the trainer): bf16 attention as in a run without environments
             seen = fed | done
             mask, pos = torch.cat([mask, seen[:, None].long()], 1), pos + seen[:, None]  # (N, P+t+1), (N, 1)
             out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, **cached, use_cache=True)
@@ -206,15 +205,14 @@ def sample(
     max_prompt_tokens=None,
     env=None,
     examples=None,
-    loop=None,
+    loop=None,  # a decode loop (decode.DECODE); None: decode_dynamic, on CUDA decode.py's captured step
 ):
     """`group_size` completions per prompt, drawn from sampler.logits, through `model(...)` and its KV cache: a prompt
     prefilled once, its cache repeated G times; the rows decode together to a stop token or max_new_tokens. generator:
     one, or one per prompt (its completions then depend on no neighbour). max_prompt_tokens: a prompt keeps its last.
     env (envs.EnvDriver, with the prompts' examples): one environment per row; a row it answers is fed the reply, one
     token a step, and decodes on; a row waiting on it is a hole (masked out, no position, no budget, no uniform),
-    dropped from the Rollout: a row's tokens do not depend on how long its environment took. loop: the decode loop,
-    else the device's (decode_dynamic; on CUDA decode.py's captured step, where its probe passes the model)."""
+    dropped from the Rollout: a row's tokens do not depend on how long its environment took."""
     if group_size < 1 or max_new_tokens < 1 or not sampler.temperature >= 0:
         raise ValueError(
             f"need G, max_new_tokens >= 1, temperature >= 0: {group_size, max_new_tokens, sampler.temperature}"
@@ -298,22 +296,29 @@ def batch_logprobs(model, r, micro_batch, *, sampler=Sampler(), share=True, dtyp
     device = r.completion_ids.device
     out = [] if hidden else torch.zeros(r.completion_ids.shape, device=device)  # (N, C)
     with _autocast(model, dtype):
-        for rows, ids, mask, c in micro_batches(r, micro_batch):
+        for rows, ids, mask, c, sizes in micro_batches(r, micro_batch):
             if hidden:
-                out.append(completion_hidden(model, ids, mask, c, share).to(device))
+                out.append(completion_hidden(model, ids, mask, c, share, sizes).to(device))
             else:
-                out[rows, :c] = token_logprobs(model, ids, mask, c, sampler=sampler, share=share)[0]
+                out[rows, :c] = token_logprobs(model, ids, mask, c, sampler=sampler, share=share, sizes=sizes)[0]
     return out
 
 
 def micro_batches(r, size):
-    """(rows, input_ids, attention_mask, c) for each slice of `size` rows of a Rollout, without the columns no row
-    of it uses (positions are cumsums: they do not change); c: the completion columns kept."""
+    """(rows, input_ids, attention_mask, c, sizes) for each slice of `size` rows of a Rollout, without the columns no
+    row of it uses (cumsum positions do not change); c: the completion columns kept; sizes: its real targets and
+    distinct prompts, so that its passes read nothing from the device (every slice's bounds and sizes: one read)."""
     mask, P = r.attention_mask, r.prompt_ids.size(1)  # (N, P+C)
+    new = _new_prompts(r.prompt_ids, r.prompt_mask)  # (N,)
+    cols = torch.arange(mask.size(1), device=mask.device)  # (P+C,)
+    per = []  # a slice's first and last used column (prompts left-padded, completions right-padded), its sizes
     for i in range(0, mask.size(0), size):
-        used = mask[i : i + size].any(0).nonzero()  # prompts are left-padded, completions right-padded
-        lo, hi = used.min().item(), used.max().item() + 1
-        yield slice(i, i + size), r.input_ids[i : i + size, lo:hi], mask[i : i + size, lo:hi], hi - P
+        used = mask[i : i + size].any(0)  # (P+C,)
+        lo, hi = torch.where(used, cols, mask.size(1)).min(), torch.where(used, cols, -1).max() + 1
+        per.append(torch.stack([lo, hi, mask[i : i + size, P:].sum(), new[i + 1 : i + size].sum() + 1]))
+    for i, (lo, hi, targets, prompts) in zip(range(0, mask.size(0), size), torch.stack(per).tolist()):
+        rows = slice(i, i + size)
+        yield rows, r.input_ids[rows, lo:hi], mask[rows, lo:hi], hi - P, (targets, prompts)
 
 
 # --- teacher-forced log-probs
@@ -352,7 +357,8 @@ def head_logprobs(lm_head, hidden, targets, *, sampler=Sampler(), with_entropy=F
     """Log-prob of each target under sampler.logits of the `lm_head` module: hidden (n, H), targets (n,) -> logp,
     entropy or None, kl or None (n,). A chunk's (chunk, V) logits are made, used and checkpointed (backward reruns the
     head): no (n, V) tensor. ref = (ref_lm_head, ref_hidden (n, H)): the exact KL(pi || pi_ref) too (grpo.full_kl)."""
-    size = max(16, (64 << 20) // (4 * lm_head.weight.size(0)))  # a chunk's fp32 logits stay under 64 MiB
+    budget = 64 << 20 if hidden.device.type == "cpu" else 1 << 30  # a chunk's fp32 logits: a CPU's cache, few calls
+    size = max(16, budget // (4 * lm_head.weight.size(0)))
 
     def chunk(h, t, h_ref):
         z = sampler.logits(lm_head(h))  # (n_c, V)
@@ -393,20 +399,21 @@ def _root_gathered(model):  # FSDP2's root (embeddings, norm, head) gathered by 
     return importlib.import_module("scale").root_gathered(model) if hasattr(model, "unshard") else nullcontext()
 
 
-def _shared_prompts(prompt_ids, prompt_mask):
-    """Rows with the previous row's prompt (ids and mask) share it -> (each distinct prompt's first row (B,), (N,))"""
+def _new_prompts(prompt_ids, prompt_mask):
+    """(N,) True on each row whose prompt (ids and mask) is not the previous row's: a distinct prompt's first row"""
     same = ((prompt_ids[1:] == prompt_ids[:-1]) & (prompt_mask[1:] == prompt_mask[:-1])).all(1)  # (N-1,)
-    new = torch.cat([same.new_ones(1), ~same])  # (N,)
-    return new.nonzero().squeeze(1), new.long().cumsum(0) - 1
+    return torch.cat([same.new_ones(1), ~same])
 
 
-def _hidden(model, ids, mask, C, share):
+def _hidden(model, ids, mask, C, share, sizes=None):
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (N, P+C) the positions sample() used
     decoder = model.get_decoder()
     if not share or _checkpointing(model):  # one forward over whole rows; position t predicts token t+1
         return decoder(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state[:, -C - 1 : -1]
     # each distinct prompt once, into the model's own KV cache (with grad), then every completion on top of it
-    first, which = _shared_prompts(ids[:, :-C], mask[:, :-C])  # (B,), (N,)
+    new = _new_prompts(ids[:, :-C], mask[:, :-C])  # (N,)
+    first = torch.nonzero_static(new, size=sizes[1] if sizes else int(new.sum())).squeeze(1)  # (B,)
+    which = new.long().cumsum(0) - 1  # (N,)
     cache = DynamicCache(config=model.config)
     cached = _cache_kwarg(decoder, cache)
     h_prompt = decoder(
@@ -423,30 +430,32 @@ def _hidden(model, ids, mask, C, share):
     return torch.cat([h_prompt[which], h[:, :-1]], 1)  # (N, C, H): the prompt's last state predicts token 0
 
 
-def completion_hidden(model, input_ids, attention_mask, num_completion, share=True):
+def completion_hidden(model, input_ids, attention_mask, num_completion, share=True, sizes=None):
     """Final hidden states (N, C, H) at the positions that predict the last C = num_completion tokens."""
     _check_outer(model)
     device = next(model.parameters()).device
     with _root_gathered(model):
-        return _hidden(model, input_ids.to(device), attention_mask.to(device), num_completion, share)
+        return _hidden(model, input_ids.to(device), attention_mask.to(device), num_completion, share, sizes)
 
 
 def token_logprobs(
-    model, input_ids, attention_mask, num_completion, *, sampler=Sampler(), with_entropy=False, ref=None, share=True
+    model, input_ids, attention_mask, C, *, sampler=Sampler(), with_entropy=False, ref=None, share=True, sizes=None
 ):
-    """Teacher-forced log-probs of each row's last C = num_completion tokens: input_ids, attention_mask (N, P+C) ->
+    """Teacher-forced log-probs of each row's last C tokens (its completion): input_ids, attention_mask (N, P+C) ->
     logp, entropy or None, kl or None (N, C), 0 where the mask is 0 (the head skips it). The decoder runs once (share:
-    each distinct prompt once), the lm_head in chunks; ref = (ref_lm_head, ref_hidden (N, C, H)): the exact KL too."""
+    each distinct prompt once), the lm_head in chunks; ref = (ref_lm_head, ref_hidden (N, C, H)): the exact KL too.
+    sizes: micro_batches' (real targets, distinct prompts); given, nothing is read from the device."""
     _check_outer(model)
     device = next(model.parameters()).device
-    ids, mask, C = input_ids.to(device), attention_mask.to(device), num_completion
+    ids, mask = input_ids.to(device), attention_mask.to(device)
     with _root_gathered(model):
-        hidden = _hidden(model, ids, mask, C, share)  # (N, C, H)
-        real = mask[:, -C:].bool()  # (N, C) positions whose target is a real token
-        ref = None if ref is None else (ref[0], ref[1][real])
-        head = model.get_output_embeddings()
-        out = head_logprobs(head, hidden[real], ids[:, -C:][real], sampler=sampler, with_entropy=with_entropy, ref=ref)
-    return tuple(None if v is None else v.new_zeros(real.shape).masked_scatter(real, v) for v in out)
+        hidden = _hidden(model, ids, mask, C, share, sizes).flatten(0, 1)  # (N*C, H)
+        real = mask[:, -C:].flatten().bool()  # (N*C,) positions whose target is a real token
+        at = torch.nonzero_static(real, size=sizes[0] if sizes else int(real.sum())).squeeze(1)  # (n,)
+        ref = None if ref is None else (ref[0], ref[1].flatten(0, 1)[at])
+        head, targets = model.get_output_embeddings(), ids[:, -C:].flatten()[at]  # (n,)
+        out = head_logprobs(head, hidden[at], targets, sampler=sampler, with_entropy=with_entropy, ref=ref)
+    return tuple(None if v is None else v.new_zeros(mask.size(0) * C).index_copy(0, at, v).view(-1, C) for v in out)
 
 
 def _checkpointing(model):  # transformers drops the KV cache in training under gradient checkpointing

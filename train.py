@@ -81,6 +81,7 @@ CONSTANTS = {  # knobs few would sweep: (default, range or choices); set in a co
     "export": ("none", ("none", "model", "adapter")),  # OUT_DIR/hf at the end: a HF model (LoRA merged), adapters
     "log_to": ("none", ("none", "tensorboard", "wandb")),  # a tracker besides metrics.jsonl
     "task_options": ({}, None),  # the task's options: its load's and environment's keywords, an rg: dataset's config
+    "micro_batch_tokens": (0, ">= 0"),  # a cap on a micro-batch's rows x their padded width too (0: rows alone)
 }
 RANGES = {
     "group_size": ">= 2",
@@ -115,7 +116,10 @@ except ValueError as e:
     p.error(str(e))
 for bad, why in [  # one line each, before anything loads
     (args.prompts_per_step % world, f"--prompts-per-step must be a multiple of the {world} processes"),
-    (N % args.micro_batch, f"--micro-batch {args.micro_batch} must divide the {N} completions per rank per step"),
+    (
+        N % args.micro_batch and not args.micro_batch_tokens,
+        f"--micro-batch {args.micro_batch} must divide the {N} completions per rank per step",
+    ),
     (
         args.overlong_buffer > args.max_new_tokens,
         f"--overlong-buffer {args.overlong_buffer} must be <= --max-new-tokens {args.max_new_tokens}",
@@ -214,16 +218,15 @@ ref_off = policy.disable_adapter if args.lora_rank else nullcontext  # runs the 
 context = getattr(policy.config, "max_position_embeddings", None) or 10**9  # a longer prompt keeps its last tokens
 if args.max_new_tokens >= context:
     p.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's {context} tokens")
-max_prompt = context - args.max_new_tokens
-stops = rollout.stop_token_ids(tokenizer, policy)
+sampling = dict(max_new_tokens=args.max_new_tokens, sampler=sampler, dtype=dtype, env=env)  # what every step's shares
+sampling.update(stop_ids=rollout.stop_token_ids(tokenizer, policy), max_prompt_tokens=context - args.max_new_tokens)
 full_kl = args.kl_estimator == "full" and ref is not None
 if full_kl and ref_device != device:  # the full KL's reference head runs where the policy's hidden states are
     ref.set_output_embeddings(copy.deepcopy(ref.get_output_embeddings()).to(device))  # (untied: a copy)
 share = not why
 params = [q for q in policy.parameters() if q.requires_grad]
-optimizer = torch.optim.AdamW(
-    params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay, fused=device.type in ("cpu", "cuda")
-)  # one kernel for all tensors
+fused = device.type in ("cpu", "cuda")  # one kernel for all tensors
+optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.99), weight_decay=args.weight_decay, fused=fused)
 
 
 def lr_factor(u):  # update u's factor on --lr: a linear warmup, then lr_schedule over the updates after it
@@ -259,18 +262,7 @@ def collect(step):
         gens = [torch.Generator().manual_seed(run.seed_of(args.seed, step, attempt, i)) for i in slots]
         with gathered(policy):
             r = rollout.sample(
-                policy,
-                tokenizer,
-                [task.prompt(e) for e in exs],
-                G,
-                max_new_tokens=args.max_new_tokens,
-                stop_ids=stops,
-                sampler=sampler,
-                generator=gens,
-                dtype=dtype,
-                max_prompt_tokens=max_prompt,
-                env=env,
-                examples=exs,
+                policy, tokenizer, [task.prompt(e) for e in exs], G, generator=gens, examples=exs, **sampling
             )
         try:  # the model's own words (completions) and each row's fields: its example's, its environment's, ...
             values = combine_rewards(reward_fns, weights, r.completions, **r.reward_fields())[1]
@@ -329,8 +321,7 @@ def run_eval(step):
 # --- the loop
 log = run.MetricsLog(args.out_dir, args.log_to, vars(args), start_step) if master else None
 bad_steps = 0  # non-finite updates in a row
-save_failed = None
-export_failed = None
+save_failed = export_failed = None  # reported at the end: the run goes on without them
 if start_step == 0 and args.eval_every:
     run_eval(0)
 for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.steps, disable=not master):
@@ -353,15 +344,16 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     loss_mask = r.completion_mask * keep[:, None] * (~r.truncated[:, None] if args.mask_truncated else 1)  # (N, C)
     num_tokens = run.all_reduce(loss_mask.sum().float()).clamp(min=1)  # per-rank shares of the batch's counts
     num_sequences = run.all_reduce(keep.sum().float())
+    width = run.all_reduce(r.input_ids.new_tensor(r.input_ids.size(1)), "max")  # the widest rank's: as many calls
+    fit = args.micro_batch_tokens // int(width) if args.micro_batch_tokens else N  # rows micro_batch_tokens holds
+    micro = max(1, min(args.micro_batch, fit))  # rows a micro-batch
     ref_out = None  # 3. the reference's log-probs (N, C) on its device (full KL: its hidden states, per micro-batch)
     if ref is not None:
         with ref_off():
-            ref_out = rollout.batch_logprobs(
-                ref, r, args.micro_batch, sampler=sampler, share=share, dtype=rdt, hidden=full_kl
-            )
+            ref_out = rollout.batch_logprobs(ref, r, micro, sampler=sampler, share=share, dtype=rdt, hidden=full_kl)
     old_logp = None  # the old policy's: the ratio's denominator when the batch is reused
     if args.mu > 1:
-        old_logp = rollout.batch_logprobs(policy, r, args.micro_batch, sampler=sampler, share=share, dtype=dtype)
+        old_logp = rollout.batch_logprobs(policy, r, micro, sampler=sampler, share=share, dtype=dtype)
     t2 = time.time()
     # 4. mu optimizer steps on this batch, each accumulating gradients over micro-batches
     stats = {}
@@ -370,11 +362,11 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     iterations = 0 if skip else args.mu
     for it in range(iterations):
         with rollout.cast_once(device):  # each weight cast to bf16 once for the micro-batches
-            for j, (rows, ids, mask, c) in enumerate(rollout.micro_batches(r, args.micro_batch)):
+            for j, (rows, ids, mask, c, sizes) in enumerate(rollout.micro_batches(r, micro)):
                 kl_ref = (ref.get_output_embeddings(), ref_out[j]) if full_kl else None  # the full KL's reference
                 with autocast:  # entropy is always logged; it enters the loss only through --entropy-* flags
                     logp, entropy, kl = rollout.token_logprobs(
-                        policy, ids, mask, c, sampler=sampler, with_entropy=True, ref=kl_ref, share=share
+                        policy, ids, mask, c, sampler=sampler, with_entropy=True, ref=kl_ref, share=share, sizes=sizes
                     )
                 old = None if old_logp is None else old_logp[rows, :c]
                 ref_logp = None if ref is None or full_kl else ref_out[rows, :c]
@@ -396,7 +388,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
                     first_logp[rows, :c] = logp.detach()
                 for k, v in {**metrics, "loss": loss.detach()}.items():
                     stats.setdefault(k, []).append(v.float())
-        grad_norm, lr = update(stats["loss"][-(N // args.micro_batch) :], step)
+        grad_norm, lr = update(stats["loss"][-math.ceil(N / micro) :], step)
     if skip:
         grad_norm, lr = torch.tensor(0.0), optimizer.param_groups[0]["lr"]
         tqdm.write(f"step {step + 1}: skipped, no group with a reward spread after {args.max_resample} resamples")
@@ -427,10 +419,9 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
             env_tokens=r.env_mask.sum(1).float().mean(),
             turns=1 + (r.env_mask[:, 1:] & ~r.env_mask[:, :-1]).sum(1).float().mean(),  # 1 + its replies
         )
-    row = {
-        k: run.all_reduce(torch.as_tensor(v, dtype=torch.float32, device=device).detach(), run.reduce_op(k)).item()
-        for k, v in row.items()
-    }
+    values = [torch.as_tensor(v, dtype=torch.float32, device=device).detach() for v in row.values()]
+    values = [run.all_reduce(v, run.reduce_op(k)) for k, v in zip(row, values)]  # over ranks, as each name says
+    row = dict(zip(row, torch.stack(values).tolist()))  # one read of the device a step
     row.update(step=step + 1, lr=lr, t_generate=t1 - t0, t_reference=t2 - t1, t_train=t3 - t2, t_step=t3 - t0)
     if master:
         log.write(row)

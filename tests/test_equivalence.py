@@ -100,7 +100,7 @@ def test_training_path_matches_naive(micro, share):
     naive.backward()
 
     total, N = 0.0, r.prompt_ids.size(0)
-    for rows, ids, mask, c in micro_batches(r, micro):
+    for rows, ids, mask, c, _ in micro_batches(r, micro):
         with torch.no_grad():
             ref_logp = rollout.token_logprobs(
                 ref, ids, mask, c, sampler=rollout.Sampler(temperature=temp), share=share
@@ -141,3 +141,61 @@ def test_shared_prompts_handle_a_single_completion_column():
     want = logits.log_softmax(-1).gather(-1, ids[:, -1:])  # (4, 1)
     assert want.abs().min() > 0.1  # every row scored
     assert_close_scaled(shared, want)  # fp32, another order: ~1e-6 (docstring)
+
+
+@pytest.mark.parametrize("size", [1, 3, 4, 8])
+def test_micro_batches_sizes_are_their_real_targets_and_distinct_prompts(size):
+    """Each slice's sizes against counts made here from the Rollout: its completion tokens (own and replies) and its
+    runs of equal prompts (a slice's first row always starts one). Fails if a count is off by one (a slice boundary,
+    the first row) or another slice's: the passes would then index padding or drop a real target (nonzero_static)."""
+    r = make_rollout()
+    mask = r.completion_mask + r.env_mask.long()  # (N, C) what the model reads after its prompt
+    for rows, _, _, _, (targets, prompts) in micro_batches(r, size):
+        p = r.prompt_ids[rows].tolist()
+        assert targets == int(mask[rows].sum())
+        assert prompts == 1 + sum(p[k] != p[k - 1] for k in range(1, len(p)))
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_the_micro_batch_loop_reads_nothing_from_the_device(share):
+    """The training loop's work on a micro-batch (token_logprobs given micro_batches' sizes, with entropy and a
+    reference's KL, grpo_loss, backward) runs under FakeTensorMode, which has no values: any read of one (a boolean
+    mask's selection, a .item(), a count of prompts) raises there, and on a GPU each is a sync that stalls the queue.
+    Fails if a read comes back into the loop, if micro_batches reads more than once for all its slices, or if the
+    values and gradients differ from the pass that reads its sizes itself (which does raise there: the check works)."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+
+    policy, ref, r = tiny_model(0), tiny_model(1), make_rollout()
+    slices = list(micro_batches(r, 3))
+    reads = []
+    with torch.no_grad(), pytest.MonkeyPatch.context() as m:  # micro_batches: one .tolist() for every slice
+        m.setattr(torch.Tensor, "tolist", lambda t, real=torch.Tensor.tolist: reads.append(1) or real(t))
+        list(micro_batches(r, 3))
+    assert len(reads) == 1
+
+    def step(sizes):
+        out = []
+        for _, ids, mask, c, s in slices:
+            s = s if sizes else None
+            kl_ref = (ref.get_output_embeddings(), rollout.completion_hidden(ref, ids, mask, c, share, s).detach())
+            logp, entropy, kl = rollout.token_logprobs(
+                policy, ids, mask, c, with_entropy=True, ref=kl_ref, share=share, sizes=s
+            )
+            adv, obj = torch.ones(logp.size(0)), grpo.Objective(kl_estimator="full")
+            grpo.grpo_loss(logp, None, None, adv, mask[:, -c:], obj, entropy=entropy, kl=kl)[0].backward()
+            out.append(logp.detach())
+        return out
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        step(sizes=True)
+        with pytest.raises((DataDependentOutputException, DynamicOutputShapeException)):
+            step(sizes=False)
+    policy.zero_grad()
+    want = step(sizes=False)
+    grads_want = [p.grad.clone() for p in policy.parameters()]
+    policy.zero_grad()
+    got = step(sizes=True)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    for p, g in zip(policy.parameters(), grads_want):
+        assert_close_scaled(p.grad, g, GRADS)
