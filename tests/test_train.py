@@ -692,3 +692,36 @@ def test_lower_lr_warning_after_three_runaway_steps(tmp_path, capsys):
         assert line.startswith(f"warning: step {step}: {key} > 1 for 3 steps: ") and line.endswith("lower --lr"), line
     nulled = [{k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in r.items()} for r in rows]
     assert run.read_jsonl(os.path.join(tmp_path, "metrics.jsonl")) == nulled  # nan would read back as nan != None
+
+
+@pytest.mark.parametrize("tokens", [1, 60])
+def test_micro_batch_tokens_changes_the_micro_batches_not_the_training(model_dir, tmp_path, tokens):
+    """micro_batch_tokens caps a micro-batch's rows x their padded width: 1 gives micro-batches of one row, 60 of
+    one or two (the toy's rows are ~20-30 tokens wide); the loss aggregates over the whole batch, so two steps train
+    as --micro-batch 4 alone does (the same rewards and loss, weights to toy.assert_same_training's bounds). Fails if
+    the cap is not applied (the captured micro-batch sizes), or if the optimizer step counts the micro-batches wrong
+    (a partial one dropped, the loss averaged over the wrong count)."""
+    seen = []
+    real = rollout.micro_batches
+
+    def spy(r, size):
+        seen.append((size, r.input_ids.size(1)))
+        return real(r, size)
+
+    runs = []
+    for i, extra in enumerate([[], ["--config", f"micro_batch_tokens={tokens}"]]):
+        out = str(tmp_path / str(i))
+        rollout.micro_batches = spy
+        try:
+            run_script(TRAIN, train_args(model_dir, out, *extra, "--config", "export=none", steps=2))
+        finally:
+            rollout.micro_batches = real
+        runs.append((read_metrics(out), torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["model"]))
+    capped = seen[len(seen) // 2 :]
+    assert all(size == max(1, min(4, tokens // width)) for size, width in capped), capped
+    assert any(size < 4 for size, _ in capped)
+    (want, want_w), (got, got_w) = runs
+    for a, b in zip(want, got):
+        assert a["reward"] == b["reward"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+    toy.assert_same_training(want_w, got_w)
