@@ -32,7 +32,7 @@ MODES = {  # the detected configuration, and with one protection off (skipped wh
     "no seccomp": {"seccomp": False},
 }
 CALLER = (  # a caller of its own: one call of the code on its stdin in the configuration given -> its reply
-    "import json, sys\nsys.path.insert(0, sys.argv[1])\nimport sandbox\n"
+    "import json, sys\nsys.path.insert(0, sys.argv[1])\nimport sandbox\nsandbox.PY_UIDS = sys.argv[3]\n"
     "print(sandbox._run(json.loads(sys.argv[2]), sys.stdin.read(), 60)[0].decode())"
 )
 
@@ -497,24 +497,63 @@ def test_two_callers_whose_pids_collide_never_share_a_uid():
     conf = sandbox._sandbox()[0]
     if conf["uid"] is None:
         pytest.skip("not root: calls run as your uid, as the line says")
-    argv = [sys.executable, "-c", CALLER, str(REPO), json.dumps(conf)]
+    argv = [sys.executable, "-c", CALLER, str(REPO), json.dumps(conf), sandbox.PY_UIDS]
     code = "import os, time\nprint(os.getuid(), flush=True)\ntime.sleep(2)"  # the two calls overlap
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
-    first = subprocess.Popen(argv, **pipes)
     with open("/proc/sys/kernel/pid_max") as f:
-        free = [
-            p for p in range(first.pid % 20000, int(f.read()), 20000) if p > 300 and not os.path.exists(f"/proc/{p}")
+        pids = [
+            p
+            for p in range(301, int(f.read()) - 20000)
+            if not any(os.path.exists(f"/proc/{p + d}") for d in (0, 20000))
         ]
+    if not pids:
+        pytest.skip("no two free pids 20000 apart")
+    first = spawn_at(pids[0], argv, **pipes)
     try:
-        if not free:
-            pytest.skip(f"no free pid 20000 apart from {first.pid}")
-        second = spawn_at(free[0], argv, **pipes)
+        second = spawn_at(pids[0] + 20000, argv, **pipes)
         replies = [second.communicate(code, timeout=60)[0], first.communicate(code, timeout=60)[0]]
     finally:
         first.kill()
         first.wait()
     uids = [int(reply.split()[0]) for reply in replies]
     assert uids[0] != uids[1], (first.pid, second.pid, replies)
+
+
+def test_uids_are_taken_once_by_callers_at_once(tmp_path):
+    """Fails if callers taking uids at once (four processes, as DDP ranks) get one twice: the count read and grown
+    without the lock."""
+    path = str(tmp_path / "uids")
+    take = f"import sys\nsys.path.insert(0, {str(REPO)!r})\nimport sandbox\nsandbox.PY_UIDS = {path!r}\n"
+    take += "print(*(sandbox._next_uid() for _ in range(2000)))"
+    callers = [subprocess.Popen([sys.executable, "-c", take], stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    uids = [uid for caller in callers for uid in caller.communicate(timeout=60)[0].split()]
+    assert len(uids) == len(set(uids)) == 8000, len(set(uids))
+
+
+def test_a_killed_callers_uid_is_not_taken_again(tmp_path, monkeypatch):
+    """Fails if, a caller SIGKILLed mid-call, the next call waits on a lock the dead caller held, or takes the uid
+    whose processes may still be ending: a uid held by a lock for its call's lifetime, freed with its holder."""
+    conf = sandbox._sandbox()[0]
+    if conf["uid"] is None:
+        pytest.skip("not root: calls run as your uid, as the line says")
+    monkeypatch.setattr(sandbox, "PY_UIDS", str(tmp_path / "uids"))
+    marker = new_marker()
+    argv = [sys.executable, "-c", CALLER, str(REPO), json.dumps(conf), sandbox.PY_UIDS]
+    caller = subprocess.Popen(argv, stdin=subprocess.PIPE, text=True)
+    try:
+        with caller.stdin:
+            caller.stdin.write(sleeper(marker) + "import time\ntime.sleep(60)")
+        end = time.monotonic() + BOUND
+        while not marked(marker) and time.monotonic() < end:
+            time.sleep(0.05)
+        with open(f"/proc/{marked(marker)[0]}/status") as f:
+            uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
+    finally:
+        caller.kill()
+        caller.wait()
+    start = time.monotonic()
+    assert sandbox._next_uid() != uid and time.monotonic() - start < BOUND, uid
+    assert gone(lambda: marked(marker) + wrappers(caller.pid)) == []
 
 
 def test_a_later_call_finds_nothing_an_earlier_call_left(mode):
@@ -538,7 +577,7 @@ def test_a_later_call_finds_nothing_an_earlier_call_left(mode):
         f"        m = max(0, libc.syscall({keyctl}, 11, key, buf, 4096))\n"
         "        print(buf.raw[:m])\n"
     )
-    argv = [sys.executable, "-c", CALLER, str(REPO), json.dumps(sandbox._sandbox()[0])]
+    argv = [sys.executable, "-c", CALLER, str(REPO), json.dumps(sandbox._sandbox()[0]), sandbox.PY_UIDS]
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
     earlier = subprocess.Popen(argv, **pipes)
     replies = [earlier.communicate(leave, timeout=60)[0]]
