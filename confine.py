@@ -105,8 +105,8 @@ def landlock(abi):  # writes only in cwd, reads of system and interpreter files 
     ok(libc.syscall(L(446), L(ruleset), L(0)), "landlock restrict")
 
 
-def seccomp(arch, numbers):  # the key syscalls refused (EPERM, as Docker's default profile), x32's too (nr >= 2**30)
-    n = len(numbers)  # seccomp_data: nr at 0, arch at 4; another arch's call (int 0x80, a 32-bit exe) kills
+def seccomp(arch, numbers):  # the key syscalls refused (EPERM: told no, not killed, as by Docker's default), x32's too
+    n = len(numbers)  # seccomp_data: nr at 0, arch at 4; x32's nr >= 2**30; another arch's call (int 0x80) kills
     code = [(0x20, 0, 0, 4), (0x15, 0, n + 4, arch), (0x20, 0, 0, 0), (0x35, n + 1, 0, 1 << 30)]  # ld, jeq, ld, jge
     code += [(0x15, n - i, 0, nr) for i, nr in enumerate(numbers)]
     code += [(6, 0, 0, 0x7FFF0000), (6, 0, 0, 0x50000 | errno.EPERM), (6, 0, 0, 0x80000000)]  # allow, errno, kill
