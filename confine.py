@@ -7,6 +7,7 @@ program's, a SIGKILL from the caller, or the parent-death signals when the calle
 before the wrapper exits."""
 
 import ctypes
+import errno
 import marshal
 import os
 import resource
@@ -24,7 +25,6 @@ NEWNS, NEWCGROUP, NEWUTS, NEWIPC = 0x20000, 0x2000000, 0x4000000, 0x8000000  # c
 NEWUSER, NEWPID, NEWNET = 0x10000000, 0x20000000, 0x40000000
 RDONLY, NOSUID, NODEV, REMOUNT, BIND, MOVE, REC, PRIVATE = 1, 2, 4, 32, 4096, 8192, 16384, 1 << 18  # mount(2) flags
 TOP = "/tmp"  # where its root is built, in its own mount namespace
-KEYCTL = {"x86_64": 250, "aarch64": 219, "riscv64": 219}.get(os.uname().machine)  # keyctl(2)'s number
 uid = conf["uid"]
 owner, group = (os.getuid(), os.getgid()) if uid is None else (uid, uid)
 
@@ -105,6 +105,15 @@ def landlock(abi):  # writes only in cwd, reads of system and interpreter files 
     ok(libc.syscall(L(446), L(ruleset), L(0)), "landlock restrict")
 
 
+def seccomp(arch, numbers):  # the key syscalls refused (EPERM: told no, not killed, as by Docker's default), x32's too
+    n = len(numbers)  # seccomp_data: nr at 0, arch at 4; x32's nr >= 2**30; another arch's call (int 0x80) kills
+    code = [(0x20, 0, 0, 4), (0x15, 0, n + 4, arch), (0x20, 0, 0, 0), (0x35, n + 1, 0, 1 << 30)]  # ld, jeq, ld, jge
+    code += [(0x15, n - i, 0, nr) for i, nr in enumerate(numbers)]
+    code += [(6, 0, 0, 0x7FFF0000), (6, 0, 0, 0x50000 | errno.EPERM), (6, 0, 0, 0x80000000)]  # allow, errno, kill
+    prog = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *op) for op in code))
+    ok(libc.prctl(22, L(2), struct.pack("HP", len(code), ctypes.addressof(prog))), "seccomp")
+
+
 def confine(parent):  # this process becomes the program
     for name, value in conf["limits"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
@@ -113,11 +122,13 @@ def confine(parent):  # this process becomes the program
         os.setgid(uid)
         os.setuid(uid)
     die_with_parent(lambda: os.getppid() == parent)
-    if KEYCTL:  # a new session keyring: its caller's keys are not its (where keyctl is refused, they are not either)
-        libc.syscall(L(KEYCTL), L(1), None)
+    if conf["keys"]:  # a new session keyring: its caller's keys are not its, even to the kernel acting for it
+        libc.syscall(L(conf["keys"][1][2]), L(1), None)
     ok(libc.prctl(38, L(1), L(0), L(0), L(0)), "no_new_privs")
     if conf["abi"]:
         landlock(conf["abi"])
+    if conf["seccomp"]:
+        seccomp(*conf["keys"])
     # without namespaces by the cwd's link: the dir's path may pass a directory its uid cannot enter (a 0700 $TMPDIR)
     script = "main.py" if conf["ns"] else "/proc/self/cwd/main.py"
     os.execv(conf["exe"], [conf["exe"], "-I", "-S", "-B", "-X", "utf8", script])

@@ -1,13 +1,15 @@
 """Run a Python program confined (envs.python, the gsm8k_python task's tool): a fresh interpreter per call, started
-by a small wrapper (confine.py) with the strongest of these the kernel allows here: as root a fresh uid per call;
-rlimits; a memory cgroup for the whole call; pid, network and mount namespaces, the program's root being read-only
-system directories and a tmpfs of its own; Landlock. sandbox_protections() is the one line that says which hold
-(and "not a security boundary" where namespaces or Landlock are missing). A call returns once all it started has
-ended: with namespaces the kernel ends the namespace's init last; without, its process group and (as root) its uid
-are killed until none is left."""
+by a small wrapper (confine.py) with the strongest of these the kernel allows here: as root a fresh uid per call
+(taken from a count, never another call's); rlimits; a memory cgroup for the whole call; pid, network and mount
+namespaces, the program's root being read-only system directories and a tmpfs of its own; Landlock; a seccomp
+filter that refuses the kernel's keys (a uid's keys outlive its processes). sandbox_protections() is the one line that
+says which hold (and "not a security boundary" where namespaces or Landlock are missing). A call returns once all it
+started has ended: with namespaces the kernel ends the namespace's init last; without, its process group and (as root)
+its uid are killed until none is left."""
 
 import contextlib
 import ctypes
+import fcntl
 import functools
 import itertools
 import marshal
@@ -34,9 +36,20 @@ PY_LIMITS = {  # per process: a 10 GB list is a MemoryError, a fork bomb stops a
 PY_READ = 64 << 10  # bytes read at most: past it the program is stopped
 PY_SHOW = 400  # characters shown: a reply costs the row's tokens
 PY_DISK = "32m"  # its directory is a tmpfs of this size where a mount namespace is made
-# a fresh unused uid per call (never reused while a process runs: a killed process's zombie still counts for
-# RLIMIT_NPROC until reaped), so limits and kills reach that call alone; the pid keeps processes apart
+# as root each call's uid is PY_UID + a count that only grows (PY_UIDS's size), so limits and kills reach that call
+# alone and no later call finds what a uid left: a uid derived from pid and call number was shared by two callers
+# whose pids differ by 20000, and by a later run given the same pid
 PY_UID = 2_000_000_000
+PY_UIDS = "/run/grpo-python-uids"  # root's alone (as /run is); where /run is a tmpfs a boot resets both it and the uids
+# the key syscalls (add_key, request_key, keyctl) and AUDIT_ARCH_* per machine: refused by a seccomp filter where known.
+# Refused, not cleaned after: nothing is made, so nothing can be missed (a key linked into a persistent keyring, the
+# quota's kernel memory while it runs) and a call needs no process of its uid after it; the filter is ten BPF
+# instructions in confine.py rather than a dependency on libseccomp
+KEY_SYSCALLS = {
+    "x86_64": (0xC000003E, (248, 249, 250)),
+    "aarch64": (0xC00000B7, (217, 218, 219)),
+    "riscv64": (0xC00000F3, (217, 218, 219)),
+}
 PY_ENV = {"PATH": "/usr/bin:/bin", "LC_ALL": "C.UTF-8"}
 # a call's cgroup: those of these files it has are written (v2's, v1's: the swap limit after the memory one)
 CGROUP_FILES = ["memory.max", "memory.swap.max", "memory.limit_in_bytes", "memory.memsw.limit_in_bytes"]
@@ -71,8 +84,9 @@ def _sandbox():
     abi = max(0, ctypes.CDLL(None).syscall(ctypes.c_long(444), None, ctypes.c_long(0), ctypes.c_long(1)))  # Landlock's
     root, cgroup = os.geteuid() == 0, _cgroup()
     landlocks, cgroups = sorted({abi, 0}, reverse=True), list(dict.fromkeys([cgroup, None]))  # the strongest first
-    for ns, landlock, cg in itertools.product((True, False), landlocks, cgroups):
-        conf = _config(PY_UID if root else None, ns, ns and not root, landlock, cg)
+    filters = [True, False] if os.uname().machine in KEY_SYSCALLS else [False]
+    for ns, landlock, cg, seccomp in itertools.product((True, False), landlocks, cgroups, filters):
+        conf = _config(PY_UID if root else None, ns, ns and not root, landlock, cg, seccomp)
         if _run(conf, "print(6 * 7)", 10.0) == (b"42\n", None):
             return conf, _describe(conf)
     why = "its interpreter does not start under rlimits"
@@ -121,7 +135,7 @@ def _make_cgroup(path):
         raise
 
 
-def _config(uid, ns, userns, abi, cgroup):
+def _config(uid, ns, userns, abi, cgroup, seccomp):
     prefix = os.path.realpath(sys.base_prefix)
     limits = dict(PY_LIMITS)
     if cgroup is None:  # no cgroup bounds the call: memory per process, and the product
@@ -135,6 +149,8 @@ def _config(uid, ns, userns, abi, cgroup):
         "userns": userns,
         "abi": abi,
         "cgroup": cgroup,
+        "keys": KEY_SYSCALLS.get(os.uname().machine),  # keyctl's number gives it a session keyring of its own
+        "seccomp": seccomp,
         "limits": limits,
         "disk": PY_DISK,
         "read": ["/usr", "/lib", "/lib64", "/lib32", "/bin", "/etc/ld.so.cache", prefix],
@@ -161,6 +177,10 @@ def _describe(conf):
             f"Landlock: writes only in its dir, reads of system files only{', no TCP' * (abi >= 4)}"
             f"{', no signals or abstract sockets out' * (abi >= 6)}"
         )
+    if conf["seccomp"]:
+        parts.append("seccomp: no kernel keys (add_key, keyctl, request_key refused): none outlives the call")
+    if not conf["seccomp"]:
+        parts.append("kernel keys NOT refused (no seccomp filter here): keys a call adds outlive it")
     if not ns:
         parts.append("network NOT cut, host socket files reachable, what it starts may outlive a killed caller")
     if not ns and conf["uid"] is None:  # only its process group is killed
@@ -177,7 +197,7 @@ def _run(conf, code, timeout):
     whatever happened -> (output bytes, status)."""
     n, uid = next(_calls), conf["uid"]
     if uid is not None:
-        uid += os.getpid() % 20_000 * 100_000 + n % 100_000  # < 2**32 - 1
+        uid = _next_uid()
     cpu = math.ceil(timeout) + 1  # CPU seconds: a busy loop ends here even if the wall clock check were missed
     cgroup = conf["cgroup"] and os.path.join(conf["cgroup"], f"grpo-python-{os.getpid()}-{n}")
     conf = {**conf, "uid": uid, "cgroup": cgroup, "limits": {**conf["limits"], "RLIMIT_CPU": cpu}}
@@ -225,6 +245,23 @@ def _run(conf, code, timeout):
     if workdir:  # the same program gives the same output: no random path in a traceback
         out = out.replace(workdir.encode() + b"/", b"")
     return out, status
+
+
+def _next_uid():
+    """As root, a uid no other call on this machine has had: PY_UID + a count kept as PY_UIDS's size (one ftruncate,
+    never a torn write) under flock, which the kernel releases when its holder dies (never a stale lock). A call
+    killed midway leaves its uid taken; the count wraps only after 2.3e9 calls."""
+    try:
+        fd = os.open(PY_UIDS, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        raise RuntimeError(f"python sandbox: as root a call's uid is counted in {PY_UIDS}, which fails: {e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # DDP ranks, runs and threads side by side each get the next
+        n = os.fstat(fd).st_size
+        os.ftruncate(fd, n + 1)
+    finally:
+        os.close(fd)
+    return PY_UID + n % (2**32 - 1 - PY_UID)  # 2**32 - 1 is no uid (-1)
 
 
 def _read(proc, timeout):

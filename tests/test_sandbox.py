@@ -29,7 +29,12 @@ MODES = {  # the detected configuration, and with one protection off (skipped wh
     "no Landlock": {"abi": 0},
     "no cgroup": {"cgroup": None},
     "no namespaces": {"ns": False, "userns": False},
+    "no seccomp": {"seccomp": False},
 }
+CALLER = (  # a caller of its own: one call of the code on its stdin in the configuration given -> its reply
+    "import json, sys\nsys.path.insert(0, sys.argv[1])\nimport sandbox\nsandbox.PY_UIDS = sys.argv[3]\n"
+    "print(sandbox._run(json.loads(sys.argv[2]), sys.stdin.read(), 60)[0].decode())"
+)
 
 
 def marked(marker):
@@ -83,7 +88,7 @@ def mode(request, monkeypatch):
     """The sandbox as detected here, and with one protection off: run_python then runs that configuration and
     sandbox_protections() says what it enforces -> that line."""
     conf = DETECT()[0]
-    args = {k: conf[k] for k in ("uid", "ns", "userns", "abi", "cgroup")}
+    args = {k: conf[k] for k in ("uid", "ns", "userns", "abi", "cgroup", "seccomp")}
     if all(args[k] == v for k, v in MODES[request.param].items()) and request.param != "detected":
         pytest.skip(f"{request.param}: the detected configuration already")
     args.update(MODES[request.param])
@@ -387,30 +392,218 @@ def test_host_files_and_other_processes_are_not_readable(tmp_path, mode):
     assert secret not in text, text
 
 
-def test_the_callers_keys_are_not_readable():
+def test_the_callers_keys_are_not_readable(mode):
     """Fails if the program can read a key in its caller's session keyring (kernel keyrings are not namespaced, and
-    a keyring's possessor may read its keys whatever its uid): the program not given a session keyring of its own."""
-    numbers = {"x86_64": (250, 248), "aarch64": (219, 217)}.get(os.uname().machine)
-    if numbers is None:
-        pytest.skip("keyctl(2) and add_key(2) numbers known here for x86_64 and aarch64 only")
+    a keyring's possessor may read its keys whatever its uid): the program not given a session keyring of its own
+    (the "no seccomp" mode checks it alone: elsewhere keyctl is refused too)."""
+    add_key, keyctl = key_syscalls()
     secret = f"grpo-secret-{uuid.uuid4().hex}"
     program = (  # every key in its session keyring, read
         "import ctypes, struct\nlibc = ctypes.CDLL(None)\nbuf = ctypes.create_string_buffer(4096)\n"
-        f"n = max(0, libc.syscall({numbers[0]}, 11, -3, buf, 4096))\n"
+        f"n = max(0, libc.syscall({keyctl}, 11, -3, buf, 4096))\n"
         "for key in struct.unpack(f'{n // 4}i', buf.raw[:n]):\n"
-        f"    m = max(0, libc.syscall({numbers[0]}, 11, key, buf, 4096))\n"
+        f"    m = max(0, libc.syscall({keyctl}, 11, key, buf, 4096))\n"
         "    print(buf.raw[:m])\n"
     )
     script = (  # a caller with a session keyring of its own (as a login's) holding a secret key
-        "import ctypes, sys\nsys.path.insert(0, sys.argv[1])\nimport sandbox\nlibc = ctypes.CDLL(None)\n"
-        f"libc.syscall({numbers[0]}, 1, b'grpo-test')\n"
-        f"assert libc.syscall({numbers[1]}, b'user', b'grpo', b'{secret}', {len(secret)}, -3) > 0\n"
-        "print(sandbox.run_python(sys.stdin.read()))\n"
+        "import ctypes, json, sys\nsys.path.insert(0, sys.argv[1])\nimport sandbox\nlibc = ctypes.CDLL(None)\n"
+        f"libc.syscall({keyctl}, 1, b'grpo-test')\n"
+        f"assert libc.syscall({add_key}, b'user', b'grpo', b'{secret}', {len(secret)}, -3) > 0\n"
+        "print(sandbox._run(json.loads(sys.argv[2]), sys.stdin.read(), 60))\n"
     )
+    conf = json.dumps(sandbox._sandbox()[0])
     done = subprocess.run(
-        [sys.executable, "-c", script, str(REPO)], input=program, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", script, str(REPO), conf], input=program, capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0 and secret not in done.stdout, (done.stdout, done.stderr)
+
+
+def key_syscalls():
+    """(add_key, keyctl) numbers here, or a skip."""
+    if os.uname().machine not in sandbox.KEY_SYSCALLS:
+        pytest.skip(f"the key syscalls' numbers are not known here ({os.uname().machine})")
+    numbers = sandbox.KEY_SYSCALLS[os.uname().machine][1]
+    return numbers[0], numbers[2]
+
+
+def keys_held(uid):
+    """How many keys the kernel holds for uid (/proc/key-users: 'uid: usage nkeys/nikeys ...'), 0 where none."""
+    with open("/proc/key-users") as f:
+        for who, counts in (line.split(":", 1) for line in f):
+            if int(who) == uid:
+                return int(counts.split()[1].split("/")[0])
+    return 0
+
+
+def spawn_at(pid, argv, **kw):
+    """A process started as pid (the next pid set through ns_last_pid, as CRIU does), or a skip saying why not."""
+    for _ in range(50):  # another process may take the pid first
+        try:
+            with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+                f.write(str(pid - 1))
+        except OSError as e:
+            pytest.skip(f"a caller's pid cannot be chosen here: {e}")
+        proc = subprocess.Popen(argv, **kw)
+        if proc.pid == pid:
+            return proc
+        proc.kill()
+        proc.wait()
+    pytest.skip(f"pid {pid} was taken by others 50 times")
+
+
+def forget_keys(uid):
+    """As uid, its user, user-session and persistent keyrings cleared and invalidated (the kernel then frees them):
+    what a test made where keys outlive a call is not left in the kernel."""
+    keyctl = key_syscalls()[1]
+    code = (
+        f"import ctypes\nlibc = ctypes.CDLL(None)\nrings = [libc.syscall({keyctl}, 0, r, 0) for r in (-4, -5)]\n"
+        f"for ring in rings + [libc.syscall({keyctl}, 22, -1, -2)]:\n"
+        f"    libc.syscall({keyctl}, 7, ring)\n    libc.syscall({keyctl}, 21, ring)\n"
+    )
+    held = uid != os.getuid() and keys_held(uid)  # naming the keyrings of a uid that has none makes them
+    if held and os.path.exists("/usr/bin/python3"):  # an interpreter another uid may run
+        subprocess.run(["/usr/bin/python3", "-c", code], user=uid, group=uid, extra_groups=[], check=False)
+
+
+def test_a_key_added_in_a_call_is_gone_after_it(mode):
+    """Issue 54.1. Fails if a call's keys outlive it (the seccomp filter not installed, or not refusing add_key or
+    keyctl): 200 keys added to its user keyring, its user, user-session and persistent keyrings named, then, once the
+    call has ended, the kernel still holds keys for its uid (as root a fresh one: none at all)."""
+    if "kernel keys NOT refused" in mode:
+        pytest.skip(f"the line says keys a call adds outlive it here: {mode}")
+    add_key, keyctl = key_syscalls()
+    code = (
+        "import ctypes, os\nlibc = ctypes.CDLL(None)\nadded = 0\nfor i in range(200):\n"
+        f"    added += libc.syscall({add_key}, b'user', b'grpo-%d' % i, b'x' * 64, 64, -4) > 0\n"
+        f"made = [libc.syscall({keyctl}, 0, ring, 1) for ring in (-4, -5)] + [libc.syscall({keyctl}, 22, -1, -2)]\n"
+        "print(os.getuid(), added, made)\n"
+    )
+    before = keys_held(os.getuid())
+    text, status = run_python(code)
+    uid = int(text.split()[0])
+    left = before if uid == os.getuid() else 0
+    end = time.monotonic() + BOUND  # the kernel frees a key whose last holder ended a moment later
+    while keys_held(uid) != left and time.monotonic() < end:
+        time.sleep(0.05)
+    held = keys_held(uid)
+    forget_keys(uid)
+    assert status is None and held == left, (text, held)
+
+
+def test_another_archs_system_call_does_not_pass_the_filter(mode):
+    """Fails if, on x86_64, a system call of i386's table (int 0x80, where 286-288 are the key syscalls and 248-250
+    others) returns where the line says seccomp refuses keys: the filter's arch check dropped."""
+    if "seccomp:" not in mode or os.uname().machine != "x86_64":
+        pytest.skip(f"no seccomp filter here, or not x86_64 ({os.uname().machine}): {mode}")
+    code = (  # i386's getpid (20) by int 0x80, from executable memory
+        "import ctypes, mmap\nbuf = mmap.mmap(-1, 4096, prot=7)\n"
+        "buf.write(bytes([0xB8, 20, 0, 0, 0, 0xCD, 0x80, 0xC3]))\n"  # mov eax, 20; int 0x80; ret
+        "call = ctypes.CFUNCTYPE(ctypes.c_long)(ctypes.addressof(ctypes.c_char.from_buffer(buf)))\n"
+        "print('returned', call())\n"
+    )
+    text, status = run_python(code)
+    assert status is not None and "returned" not in text, (text, status)
+
+
+def test_two_callers_whose_pids_collide_never_share_a_uid():
+    """Issue 54.3. Fails if two callers at once, their pids 20000 apart (forced through ns_last_pid), make their
+    calls as one uid (a uid derived from pid % 20000 and the call number): they would share the processes' limit,
+    and without namespaces the kill of one call's uid would end the other's processes."""
+    conf = sandbox._sandbox()[0]
+    if conf["uid"] is None:
+        pytest.skip("not root: calls run as your uid, as the line says")
+    argv = [sys.executable, "-c", CALLER, str(REPO), json.dumps(conf), sandbox.PY_UIDS]
+    code = "import os, time\nprint(os.getuid(), flush=True)\ntime.sleep(2)"  # the two calls overlap
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    with open("/proc/sys/kernel/pid_max") as f:
+        pids = [
+            p
+            for p in range(301, int(f.read()) - 20000)
+            if not any(os.path.exists(f"/proc/{p + d}") for d in (0, 20000))
+        ]
+    if not pids:
+        pytest.skip("no two free pids 20000 apart")
+    first = spawn_at(pids[0], argv, **pipes)
+    try:
+        second = spawn_at(pids[0] + 20000, argv, **pipes)
+        replies = [second.communicate(code, timeout=60)[0], first.communicate(code, timeout=60)[0]]
+    finally:
+        first.kill()
+        first.wait()
+    uids = [int(reply.split()[0]) for reply in replies]
+    assert uids[0] != uids[1], (first.pid, second.pid, replies)
+
+
+def test_uids_are_taken_once_by_callers_at_once(tmp_path):
+    """Fails if callers taking uids at once (four processes, as DDP ranks) get one twice: the count read and grown
+    without the lock."""
+    path = str(tmp_path / "uids")
+    take = f"import sys\nsys.path.insert(0, {str(REPO)!r})\nimport sandbox\nsandbox.PY_UIDS = {path!r}\n"
+    take += "print(*(sandbox._next_uid() for _ in range(2000)))"
+    callers = [subprocess.Popen([sys.executable, "-c", take], stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    uids = [uid for caller in callers for uid in caller.communicate(timeout=60)[0].split()]
+    assert len(uids) == len(set(uids)) == 8000, len(set(uids))
+
+
+def test_a_killed_callers_uid_is_not_taken_again(tmp_path, monkeypatch):
+    """Fails if, a caller SIGKILLed mid-call, the next call waits on a lock the dead caller held, or takes the uid
+    whose processes may still be ending: a uid held by a lock for its call's lifetime, freed with its holder."""
+    conf = sandbox._sandbox()[0]
+    if conf["uid"] is None:
+        pytest.skip("not root: calls run as your uid, as the line says")
+    monkeypatch.setattr(sandbox, "PY_UIDS", str(tmp_path / "uids"))
+    marker = new_marker()
+    argv = [sys.executable, "-c", CALLER, str(REPO), json.dumps(conf), sandbox.PY_UIDS]
+    caller = subprocess.Popen(argv, stdin=subprocess.PIPE, text=True)
+    try:
+        with caller.stdin:
+            caller.stdin.write(sleeper(marker) + "import time\ntime.sleep(60)")
+        end = time.monotonic() + BOUND
+        while not marked(marker) and time.monotonic() < end:
+            time.sleep(0.05)
+        with open(f"/proc/{marked(marker)[0]}/status") as f:
+            uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
+    finally:
+        caller.kill()
+        caller.wait()
+    start = time.monotonic()
+    assert sandbox._next_uid() != uid and time.monotonic() - start < BOUND, uid
+    assert gone(lambda: marked(marker) + wrappers(caller.pid)) == []
+
+
+def test_a_later_call_finds_nothing_an_earlier_call_left(mode):
+    """Issue 54.2. Fails if a later caller given the earlier caller's pid (forced through ns_last_pid) makes its call
+    as the earlier call's uid (derived from pid and call number), or reads the key that call left in its user keyring
+    (where key syscalls are not refused, the "no seccomp" mode, keys outlive a call: its uid alone keeps them apart)."""
+    if "a fresh uid per call" not in mode:
+        pytest.skip("not root: calls run as your uid, as the line says")
+    add_key, keyctl = key_syscalls()
+    secret = f"grpo-secret-{uuid.uuid4().hex}"
+    leave = (
+        f"import ctypes, os\nprint(os.getuid())\n"
+        f"ctypes.CDLL(None).syscall({add_key}, b'user', b'grpo', b'{secret}', {len(secret)}, -4)\n"
+    )
+    find = (  # every key in its user and persistent keyrings, linked into its session keyring (possessed: readable)
+        "import ctypes, os, struct\nprint(os.getuid())\nlibc = ctypes.CDLL(None)\n"
+        f"buf = ctypes.create_string_buffer(4096)\nlibc.syscall({keyctl}, 8, -4, -3)\n"
+        f"for ring in -4, libc.syscall({keyctl}, 22, -1, -3):\n"
+        f"    n = max(0, libc.syscall({keyctl}, 11, ring, buf, 4096))\n"
+        "    for key in struct.unpack(f'{n // 4}i', buf.raw[:n]):\n"
+        f"        m = max(0, libc.syscall({keyctl}, 11, key, buf, 4096))\n"
+        "        print(buf.raw[:m])\n"
+    )
+    argv = [sys.executable, "-c", CALLER, str(REPO), json.dumps(sandbox._sandbox()[0]), sandbox.PY_UIDS]
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    earlier = subprocess.Popen(argv, **pipes)
+    replies = [earlier.communicate(leave, timeout=60)[0]]
+    try:
+        later = spawn_at(earlier.pid, argv, **pipes)  # its pid free again: the earlier caller has been reaped
+        replies.append(later.communicate(find, timeout=60)[0])
+    finally:
+        for uid in {int(reply.split()[0]) for reply in replies if reply.strip()}:
+            forget_keys(uid)
+    uids = [int(reply.split()[0]) for reply in replies]
+    assert uids[0] != uids[1] and secret not in replies[1], replies
 
 
 def test_socket_files_and_abstract_sockets_are_not_reached(tmp_path, mode):
