@@ -55,7 +55,7 @@ class Step:
     P: int  # the cache's first completion column
 
 
-def _start(model, cache, logits, mask, u, dtype):
+def _start(cache, logits, mask, u):
     """Step buffers from a prefill: `cache` (a DynamicCache over B prompts) copied G times into a static one."""
     (B, P), (N, T) = mask.shape, u.shape
     G, device = N // B, u.device
@@ -148,7 +148,7 @@ def _autocast(model, dtype):  # autocast's cache of weight casts off: a captured
 
 def decode_static(model, cache, logits, mask, u, *, sampler, stop, pad_id, env, dtype):
     """DECODE["static"]: decode_dynamic's loop on a static cache, each step run eagerly."""
-    s = _start(model, cache, logits, mask, u, dtype)
+    s = _start(cache, logits, mask, u)
     with torch.no_grad(), _autocast(model, dtype):
         draw(s, sampler, stop, pad_id, env)
         while not bool(s.done.all()):
@@ -169,7 +169,7 @@ def decode_graph(model, cache, logits, mask, u, *, sampler, stop, pad_id, env, d
 
 
 def _replayed(model, cache, logits, mask, u, *, sampler, stop, pad_id, env, dtype):
-    s = _start(model, cache, logits, mask, u, dtype)
+    s = _start(cache, logits, mask, u)
     with torch.no_grad(), _autocast(model, dtype):
         draw(s, sampler, stop, pad_id, env)
         graph = _capture(model, s, sampler, stop, pad_id, env)  # after two real steps (the warm-up)

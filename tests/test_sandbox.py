@@ -546,8 +546,8 @@ def test_uids_are_taken_once_by_callers_at_once(tmp_path):
 
 
 def test_a_killed_callers_uid_is_not_taken_again(tmp_path, monkeypatch):
-    """Fails if, a caller SIGKILLed mid-call, the next call waits on a lock the dead caller held, or takes the uid
-    whose processes may still be ending: a uid held by a lock for its call's lifetime, freed with its holder."""
+    """Fails if, a caller SIGKILLed mid-call, the next call waits on the count's lock (a lock the kernel did not
+    release with its dead holder), or takes the dead caller's uid, whose processes may still be ending."""
     conf = sandbox._sandbox()[0]
     if conf["uid"] is None:
         pytest.skip("not root: calls run as your uid, as the line says")
