@@ -194,7 +194,7 @@ def _capture(model, s, sampler, stop, pad_id, env):
                 draw(s, sampler, stop, pad_id, env)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # a tool's thread may use CUDA meanwhile
         body()
     return graph
 

@@ -139,3 +139,32 @@ def test_train_py_steps_on_the_gpu_as_on_the_cpu(model_dir, tmp_path, extra):
             assert gpu["reward"] == cpu["reward"]
             torch.testing.assert_close(gpu["loss"], cpu["loss"], rtol=1e-4, atol=1e-6)
             torch.testing.assert_close(gpu["kl"], cpu["kl"], rtol=1e-3, atol=1e-7)
+
+
+def test_the_training_micro_batch_loop_syncs_only_in_the_models_mask_check():
+    """The training pass on CUDA under torch's sync debug mode: micro_batches syncs once for all its slices, and a
+    micro-batch's log-probs, entropy, loss and backward given its sizes sync at most once (transformers' SDPA mask
+    check, on the shared prompts' pass). Fails if a read of the device comes back into the loop (a boolean-mask
+    selection, a .item() of a bound, a count of prompts: each a sync a micro-batch)."""
+    import grpo
+    from test_equivalence import make_rollout, tiny_model
+
+    policy, r = tiny_model(0).cuda(), make_rollout()
+    r = rollout.Rollout(**{k: v.cuda() if torch.is_tensor(v) else v for k, v in vars(r).items()})
+    counts = []
+    for phase in ("slices", "passes"):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                slices = list(rollout.micro_batches(r, 3))
+                if phase == "passes":
+                    for _, ids, mask, c, sizes in slices:
+                        logp, entropy, _ = rollout.token_logprobs(policy, ids, mask, c, with_entropy=True, sizes=sizes)
+                        adv = torch.ones(logp.size(0), device="cuda")
+                        obj = grpo.Objective(beta=0.0)
+                        grpo.grpo_loss(logp, None, None, adv, mask[:, -c:], obj, entropy=entropy)[0].backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(w.message) for w in seen))
+    assert counts[0] <= 1 and counts[1] - counts[0] <= len(slices), (counts, len(slices))
