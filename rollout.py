@@ -229,9 +229,8 @@ def sample(
     cut = torch.tensor([max_prompt_tokens is not None and len(s) > max_prompt_tokens for s in seqs])  # (B,)
     seqs = [s[-max_prompt_tokens:] for s in seqs] if max_prompt_tokens else seqs
     ids, mask = (t.to(device) for t in left_pad(seqs, pad_id))  # (B, P)
-    N = ids.size(0) * G
     # one uniform per row and budget token, drawn up front (per prompt when given a generator per prompt)
-    gens, rows = (generator, G) if isinstance(generator, (list, tuple)) else ([generator], N)
+    gens, rows = (generator, G) if isinstance(generator, (list, tuple)) else ([generator], ids.size(0) * G)
     u = torch.cat([torch.rand(rows, max_new_tokens, generator=g, device=g and g.device) for g in gens]).to(device)
     stop = torch.as_tensor(stop_ids, device=device)
     cache = _Cache(config=model.config)
@@ -401,7 +400,8 @@ def _root_gathered(model):  # FSDP2's root (embeddings, norm, head) gathered by 
 
 def _new_prompts(prompt_ids, prompt_mask):
     """(N,) True on each row whose prompt (ids and mask) is not the previous row's: a distinct prompt's first row"""
-    same = ((prompt_ids[1:] == prompt_ids[:-1]) & (prompt_mask[1:] == prompt_mask[:-1])).all(1)  # (N-1,)
+    ids = prompt_ids * prompt_mask  # (N, P) padding as 0, whatever id padded it (concat's and sample()'s differ)
+    same = ((ids[1:] == ids[:-1]) & (prompt_mask[1:] == prompt_mask[:-1])).all(1)  # (N-1,)
     return torch.cat([same.new_ones(1), ~same])
 
 

@@ -143,17 +143,30 @@ def test_shared_prompts_handle_a_single_completion_column():
     assert_close_scaled(shared, want)  # fp32, another order: ~1e-6 (docstring)
 
 
+def padded_twice():
+    """make_rollout's rows, then its rows again, groups swapped (rows 7 and 8 hold one prompt), from a sampling whose
+    prompts were padded with another id to another width: concat re-pads with 0, so the two differ in padding alone."""
+    a, b = make_rollout(), make_rollout()[torch.tensor([4, 5, 6, 7, 0, 1, 2, 3])]
+    b.prompt_ids = torch.cat([torch.full((8, 2), 0), b.prompt_ids.masked_fill(b.prompt_mask == 0, 5)], 1)
+    b.prompt_mask = torch.cat([torch.zeros(8, 2, dtype=torch.long), b.prompt_mask], 1)
+    return rollout.concat([a, b])
+
+
+@pytest.mark.parametrize("make", [make_rollout, padded_twice])
 @pytest.mark.parametrize("size", [1, 3, 4, 8])
-def test_micro_batches_sizes_are_their_real_targets_and_distinct_prompts(size):
+def test_micro_batches_sizes_are_their_real_targets_and_distinct_prompts(size, make):
     """Each slice's sizes against counts made here from the Rollout: its completion tokens (own and replies) and its
-    runs of equal prompts (a slice's first row always starts one). Fails if a count is off by one (a slice boundary,
-    the first row) or another slice's: the passes would then index padding or drop a real target (nonzero_static)."""
-    r = make_rollout()
+    runs of equal prompts (their real tokens; a slice's first row always starts one). Fails if a count is off by one (a
+    slice boundary, the first row) or another slice's, or if padding's ids make equal prompts differ (concat pads with
+    0, a sampling with its own id): the passes would then index padding or drop a real target (nonzero_static)."""
+    r = make()
     mask = r.completion_mask + r.env_mask.long()  # (N, C) what the model reads after its prompt
-    for rows, _, _, _, (targets, prompts) in micro_batches(r, size):
-        p = r.prompt_ids[rows].tolist()
+    for rows, ids, attention, c, (targets, prompts) in micro_batches(r, size):
+        p = [tuple(x[m.bool()].tolist()) for x, m in zip(r.prompt_ids[rows], r.prompt_mask[rows])]
         assert targets == int(mask[rows].sum())
         assert prompts == 1 + sum(p[k] != p[k - 1] for k in range(1, len(p)))
+        new = rollout._new_prompts(ids[:, :-c], attention[:, :-c])  # what the pass counts on its trimmed columns
+        assert int(new.sum()) == prompts
 
 
 @pytest.mark.parametrize("share", [True, False])
@@ -165,7 +178,7 @@ def test_the_micro_batch_loop_reads_nothing_from_the_device(share):
     values and gradients differ from the pass that reads its sizes itself (which does raise there: the check works)."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 
-    policy, ref, r = tiny_model(0), tiny_model(1), make_rollout()
+    policy, ref, r = tiny_model(0), tiny_model(1), padded_twice()
     slices = list(micro_batches(r, 3))
     reads = []
     with torch.no_grad(), pytest.MonkeyPatch.context() as m:  # micro_batches: one .tolist() for every slice
