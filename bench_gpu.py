@@ -5,6 +5,7 @@ dated table. No weights travel: every model is its shape with random weights (be
 
     python bench_gpu.py --model DIR --data-dir GSM8K_DIR     # DIR: SmolLM2-135M-Instruct's config and tokenizer
     python bench_gpu.py --model DIR --data-dir D --parts sweep,tests   # some parts only
+    python bench_gpu.py --model DIR --data-dir D --parts sweep --rows 16 --budgets 8   # on a CPU: a smoke run
 
 The sweep samples 2-64 GSM8K prompts x G=8 (16-512 rows) with rollout.sample under bf16 autocast and times the
 decode loop alone (prefill, tokenization and decoding of the text left out): ms a step, generated tokens a second.
@@ -54,16 +55,18 @@ def sweep():
 
     tok = load_tokenizer(args.model)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)).cuda()  # fp32 master weights
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # a CPU: a smoke run of this script (--rows 16)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(args.model)).to(device)  # fp32 master weights
+    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
     prompts = [TASKS["gsm8k"].prompt(e) for e in TASKS["gsm8k"].load("train", data_dir=args.data_dir)[:64]]
     timed = {}
 
     def timing(fn):  # the decode loop alone, synchronized on both sides
         def run(*a, **k):
-            torch.cuda.synchronize()
+            sync()
             start = time.perf_counter()
             out = fn(*a, **k)
-            torch.cuda.synchronize()
+            sync()
             timed["s"] = time.perf_counter() - start
             return out
 
@@ -78,7 +81,8 @@ def sweep():
                     continue
                 kw = dict(stop_ids=[tok.eos_token_id], loop=decode.DECODE[mode], dtype=torch.bfloat16)
                 rollout.sample(model, tok, prompts[: rows // 8], 8, max_new_tokens=8, **kw)  # warm-up, the probe
-                torch.cuda.reset_peak_memory_stats()
+                if device == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
                 gen = torch.Generator().manual_seed(0)
                 r = rollout.sample(model, tok, prompts[: rows // 8], 8, max_new_tokens=budget, generator=gen, **kw)
                 steps, tokens = r.completion_ids.size(1), int(r.completion_mask.sum())
@@ -89,7 +93,7 @@ def sweep():
                     s=timed["s"],
                     ms_step=1000 * timed["s"] / steps,
                     tok_s=tokens / timed["s"],
-                    gib=torch.cuda.max_memory_allocated() / 2**30,
+                    gib=torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0,
                 )
                 figures.setdefault("sweep", []).append(row)
                 save()
@@ -139,7 +143,9 @@ part("tests", tests)
 part("trl135m", bench, "trl135m", "--random-init", "same", "--vs-trl", "--steps", "3")
 part("trl05b", bench, "trl05b", "--random-init", "qwen2.5-0.5b", "--vs-trl", "--steps", "3")
 part("recipe", bench, "recipe", "--random-init", "qwen2.5-0.5b", *recipe, timeout=300)
-print(f"\n{figures['date']} | {os.popen('nvidia-smi --query-gpu=name --format=csv,noheader').read().strip()}")
+print(
+    f"\n{figures['date']} | {os.popen('nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null').read().strip()}"
+)
 print("| decode | rows | new tokens | loop s | ms a step | tok/s | GPU peak GiB |")
 for r in figures.get("sweep", []):
     cells = [r["mode"], r["rows"], r["budget"], f"{r['s']:.2f}", f"{r['ms_step']:.2f}", f"{r['tok_s']:,.0f}"]
