@@ -72,7 +72,7 @@ def parse(p, ranges, constants, argv=None, knobs=()):
     of the values only config files set; knobs: dataclasses whose fields that are no flag are such values too."""
     flags = {a.dest for a in p._actions} - {"help", "config"}
     for cls in knobs:
-        constants.update({f.name: (f.default, None) for f in dataclasses.fields(cls) if f.name not in flags})
+        constants.update({f.name: (f.default, ">= 0") for f in dataclasses.fields(cls) if f.name not in flags})
     keys = ", ".join(f"{k}={d!r}" for k, (d, _) in constants.items())
     p.epilog = textwrap.fill(f"config keys (--config FILE or --config name=value), with their defaults: {keys}", 100)
     pre = p.parse_known_args(argv)[0]
@@ -149,7 +149,7 @@ def check(p, args, ranges, constants=None, nullable=None):
             none_ok = a.default is None if nullable is None else a.dest in nullable
             items.append((a.dest, a.option_strings[-1], _kind(a), a.choices, ranges.get(a.dest, ">= 0"), none_ok))
     for k, (d, spec) in (constants or {}).items():
-        choices, spec = (spec, None) if isinstance(spec, tuple) else (None, spec)
+        choices, spec = (spec, None) if isinstance(spec, (tuple, dict)) else (None, spec)  # a dict: its keys, live
         items.append((k, f"config key {k}", str if d is None else type(d), choices, spec, d is None))
     for dest, flag, kind, choices, spec, can_be_none in items:
         v = getattr(args, dest)

@@ -70,7 +70,7 @@ LR_SCHEDULES = {  # lr_schedule: fn(t, the fraction done of the updates after th
     "cosine": lambda t: 0.55 + 0.45 * math.cos(math.pi * t),  # from 1 down to 0.1 at the last update
 }
 CONSTANTS = {  # knobs few would sweep: (default, range or choices); set in a config file or as --config name=value
-    "lr_schedule": ("constant", tuple(LR_SCHEDULES)),
+    "lr_schedule": ("constant", LR_SCHEDULES),
     "warmup_steps": (0, ">= 0"),  # a linear warmup to --lr
     "weight_decay": (0.0, ">= 0"),
     "grad_clip": (1.0, ">= 0"),  # grad_clip 0: off

@@ -451,6 +451,8 @@ def test_config_file_errors_are_one_line(model_dir, tmp_path, capsys, line, mess
         (["--device", "cuda"], "device 'cuda' is not usable here"),
         (["--top-entropy-quantile", 0], "--top-entropy-quantile must be (0, 1], got 0.0"),
         (["--mu", 0], "--mu must be >= 1, got 0"),
+        (["--config", "cispo_cap=-3.0"], "config key cispo_cap must be >= 0, got -3.0"),
+        (["--config", "lr_schedule='nope'"], "config key lr_schedule 'nope': choose from ['constant', 'cosine']"),
     ],
     ids=[
         "task",
@@ -465,6 +467,8 @@ def test_config_file_errors_are_one_line(model_dir, tmp_path, capsys, line, mess
         "cuda",
         "entropy-quantile",
         "mu",
+        "a-field-config-key",
+        "lr-schedule",
     ],
 )
 def test_bad_input_is_a_one_line_error(model_dir, tmp_path, capsys, monkeypatch, extra, message):
