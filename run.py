@@ -86,9 +86,12 @@ def parse(p, ranges, constants, argv=None, knobs=()):
             ckpt_path, ckpt = load_checkpoint(resume)
         except ValueError as e:
             p.error(f"--resume: {e}")
+        real = os.path.realpath(ckpt_path)  # a resume writes in the folder of the run whose ckpt.pt this is, only
+        if os.path.basename(real) != "ckpt.pt" or not os.path.isfile(os.path.join(os.path.dirname(real), "run.json")):
+            p.error(f"--resume {resume}: not a run's ckpt.pt (beside its run.json); pass the run's --out-dir")
         saved, done = ckpt["config"], ckpt["step"]
         values.update({k: v for k, v in saved.items() if k in (flags | set(constants)) - {"resume", "overwrite"}})
-        values["out_dir"] = os.path.dirname(os.path.abspath(ckpt_path))
+        values["out_dir"] = os.path.dirname(real)
     for c in configs:  # a base config, then an ablation that changes two lines of it
         values.update(c)
     nullable = {a.dest for a in p._actions if a.default is None}  # before config files set defaults
@@ -98,7 +101,7 @@ def parse(p, ranges, constants, argv=None, knobs=()):
     vars(args).update({k: user_path(getattr(args, k)) for k in PATHS if k != "config"})
     check(p, args, ranges, constants, nullable)
     if resume:
-        if os.path.abspath(args.out_dir) != values["out_dir"]:
+        if os.path.realpath(args.out_dir) != values["out_dir"]:
             p.error(f"--resume continues a run in its own directory ({values['out_dir']}): drop --out-dir")
         if args.overwrite:
             p.error("--resume continues a run and --overwrite replaces one: pass one of them")
@@ -275,9 +278,10 @@ def save(state, path):
         torch.save(state, tmp)
         os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, whole
         return None
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch.save on a full disk raises RuntimeError ("unexpected pos ...")
+        why = getattr(e, "strerror", None) or f"{type(e).__name__}: {e}".splitlines()[0]
         return (
-            f"could not write {path} ({e.strerror or e}); make room in {os.path.dirname(os.path.abspath(path))}"
+            f"could not write {path} ({why}); make room in {os.path.dirname(os.path.abspath(path))}"
             "; the last good checkpoint there is kept"
         )
     finally:
@@ -349,9 +353,13 @@ def restore(ckpt, out_dir, held, *, rank=0):
     held["scaler"].load_state_dict(ckpt["scaler"])
     if ref is not None and ckpt.get("ref") is not None:
         ref.load_state_dict(ckpt["ref"])
+    for state in optimizer.state.values():  # load_state_dict may keep the file's own (mmap'd) tensors: copies
+        state.update({k: v.clone() for k, v in state.items() if torch.is_tensor(v)})
     torch.set_rng_state(ckpt["rng"][rank]["torch"])
     random.setstate(ckpt["rng"][rank]["python"])
-    return ckpt["step"]
+    step = ckpt["step"]
+    ckpt.clear()  # the last references to the file's mapping: replacing it frees its space
+    return step
 
 
 # --- seeds, the metrics log and what processes agree on
