@@ -86,12 +86,11 @@ def parse(p, ranges, constants, argv=None, knobs=()):
             ckpt_path, ckpt = load_checkpoint(resume)
         except ValueError as e:
             p.error(f"--resume: {e}")
-        real = os.path.realpath(ckpt_path)  # a resume writes in the folder of the run whose ckpt.pt this is, only
-        if os.path.basename(real) != "ckpt.pt" or not os.path.isfile(os.path.join(os.path.dirname(real), "run.json")):
-            p.error(f"--resume {resume}: not a run's ckpt.pt (beside its run.json); pass the run's --out-dir")
         saved, done = ckpt["config"], ckpt["step"]
         values.update({k: v for k, v in saved.items() if k in (flags | set(constants)) - {"resume", "overwrite"}})
-        values["out_dir"] = os.path.dirname(real)
+        values["out_dir"], name = os.path.split(os.path.realpath(ckpt_path))  # a resume writes there, and only there:
+        if name != "ckpt.pt" or not os.path.isfile(os.path.join(values["out_dir"], "run.json")):  # a run's own
+            p.error(f"--resume {resume}: not a run's ckpt.pt (beside its run.json); pass the run's --out-dir")
     for c in configs:  # a base config, then an ablation that changes two lines of it
         values.update(c)
     nullable = {a.dest for a in p._actions if a.default is None}  # before config files set defaults
@@ -380,10 +379,7 @@ def reduce_op(name):  # how a metric is summarised over micro-batches and proces
 
 
 def reduce(name, values):  # a metric's values over micro-batches -> one value, as reduce_op(name) says
-    op = reduce_op(name)
-    if op == "mean":
-        return sum(values) / len(values)
-    return max(values) if op == "max" else min(values)
+    return {"mean": lambda v: sum(v) / len(v), "max": max, "min": min}[reduce_op(name)](values)
 
 
 class MetricsLog:

@@ -449,8 +449,8 @@ if master and args.export != "none":  # last: a LoRA policy is merged into its b
     print(f"warning: {export_failed}" if export_failed else f"exported ({args.export}) to {args.out_dir}/hf")
 if master:
     log.close()
-if ddp:
-    dist.barrier()  # every rank leaves together: one that left while rank 0 exports can abort the run
-    dist.destroy_process_group()
-if save_failed or export_failed:
-    sys.exit(f"error: {'the last checkpoint was not written: ' + save_failed if save_failed else export_failed}")
+error = f"the last checkpoint was not written: {save_failed}" if save_failed else export_failed
+if ddp:  # every rank leaves together, and ends without the interpreter's teardown (scale.end says why)
+    scale.end(error)
+if error:
+    sys.exit(f"error: {error}")
