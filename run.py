@@ -276,13 +276,9 @@ def save(state, path):
     try:
         torch.save(state, tmp)
         os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, whole
-        return None
     except (OSError, RuntimeError) as e:  # torch.save on a full disk raises RuntimeError ("unexpected pos ...")
-        why = getattr(e, "strerror", None) or f"{type(e).__name__}: {e}".splitlines()[0]
-        return (
-            f"could not write {path} ({why}); make room in {os.path.dirname(os.path.abspath(path))}"
-            "; the last good checkpoint there is kept"
-        )
+        why = getattr(e, "strerror", None) or f"{type(e).__name__}: {e}".splitlines()[0]  # a C++ trace may follow
+        return f"could not write {path} ({why}); make room there: the last good checkpoint is kept"
     finally:
         remove(tmp)  # what a failed or interrupted write left; nothing after the rename
 
@@ -336,7 +332,7 @@ def save_run(out_dir, step, config, held, *, rank=0, world=1):
 
 def restore(ckpt, out_dir, held, *, rank=0):
     """Load what save_run wrote (load_checkpoint's dict) into the run's objects (save_run's held) and this rank's RNG
-    -> the step to continue from."""
+    -> the step to continue from. They keep none of its tensors: once the dict goes, so does the file's mapping."""
     policy, optimizer, ref = held["policy"], held["optimizer"], held["ref"]
     if hasattr(policy, "unshard") or hasattr(policy, "peft_config"):
         import scale
@@ -356,9 +352,7 @@ def restore(ckpt, out_dir, held, *, rank=0):
         state.update({k: v.clone() for k, v in state.items() if torch.is_tensor(v)})
     torch.set_rng_state(ckpt["rng"][rank]["torch"])
     random.setstate(ckpt["rng"][rank]["python"])
-    step = ckpt["step"]
-    ckpt.clear()  # the last references to the file's mapping: replacing it frees its space
-    return step
+    return ckpt["step"]
 
 
 # --- seeds, the metrics log and what processes agree on

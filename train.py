@@ -240,6 +240,7 @@ scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp
 saved_ref = ref if args.ref_sync_every else None  # the reference moves: checkpoints keep it
 held = dict(policy=policy, optimizer=optimizer, scheduler=scheduler, scaler=scaler, ref=saved_ref)  # checkpointed
 start_step = run.restore(ckpt, args.out_dir, held, rank=rank) if ckpt else 0
+del ckpt  # it maps the file it was read from: replacing that file frees its space once it goes
 if master:  # run.json, the resolved flags: the marker that out_dir holds a run (--resume reads ckpt.pt's)
     print(f"prompt sharing off: {why}; the log-prob passes run whole rows" if why else "prompt sharing: on")
     run.write_json(os.path.join(args.out_dir, "run.json"), {**vars(args), "eps_high": obj.eps_high})
