@@ -472,7 +472,8 @@ def python(code: str) -> str:
     text, status = sandbox.run_python(code)
     if status is None:
         return text or "(no output: print the result)"
-    before, _, last = text.rstrip().rpartition("\n")
-    if status.startswith("exit") and last:  # a traceback's last line names the error: first, as a reply keeps its head
-        raise RuntimeError(f"{last} ({status})\n{before}".rstrip())
+    start = sandbox.error_start(text)  # a traceback's exception: its name first, as a reply keeps its head
+    first, _, rest = text[start:].strip().partition("\n")
+    if status.startswith("exit") and first:
+        raise RuntimeError("\n".join(x for x in (f"{first} ({status})", rest, text[:start].rstrip()) if x))
     raise RuntimeError(f"{status}\n{text}".rstrip())

@@ -88,7 +88,9 @@ def parse(p, ranges, constants, argv=None, knobs=()):
             p.error(f"--resume: {e}")
         saved, done = ckpt["config"], ckpt["step"]
         values.update({k: v for k, v in saved.items() if k in (flags | set(constants)) - {"resume", "overwrite"}})
-        values["out_dir"] = os.path.dirname(os.path.abspath(ckpt_path))
+        values["out_dir"], name = os.path.split(os.path.realpath(ckpt_path))  # a resume writes there, and only there:
+        if name != "ckpt.pt" or not os.path.isfile(os.path.join(values["out_dir"], "run.json")):  # a run's own
+            p.error(f"--resume {resume}: not a run's ckpt.pt (beside its run.json); pass the run's --out-dir")
     for c in configs:  # a base config, then an ablation that changes two lines of it
         values.update(c)
     nullable = {a.dest for a in p._actions if a.default is None}  # before config files set defaults
@@ -98,7 +100,7 @@ def parse(p, ranges, constants, argv=None, knobs=()):
     vars(args).update({k: user_path(getattr(args, k)) for k in PATHS if k != "config"})
     check(p, args, ranges, constants, nullable)
     if resume:
-        if os.path.abspath(args.out_dir) != values["out_dir"]:
+        if os.path.realpath(args.out_dir) != values["out_dir"]:
             p.error(f"--resume continues a run in its own directory ({values['out_dir']}): drop --out-dir")
         if args.overwrite:
             p.error("--resume continues a run and --overwrite replaces one: pass one of them")
@@ -274,12 +276,9 @@ def save(state, path):
     try:
         torch.save(state, tmp)
         os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, whole
-        return None
-    except OSError as e:
-        return (
-            f"could not write {path} ({e.strerror or e}); make room in {os.path.dirname(os.path.abspath(path))}"
-            "; the last good checkpoint there is kept"
-        )
+    except (OSError, RuntimeError) as e:  # torch.save on a full disk raises RuntimeError ("unexpected pos ...")
+        why = getattr(e, "strerror", None) or f"{type(e).__name__}: {e}".splitlines()[0]  # a C++ trace may follow
+        return f"could not write {path} ({why}); make room there: the last good checkpoint is kept"
     finally:
         remove(tmp)  # what a failed or interrupted write left; nothing after the rename
 
@@ -333,7 +332,7 @@ def save_run(out_dir, step, config, held, *, rank=0, world=1):
 
 def restore(ckpt, out_dir, held, *, rank=0):
     """Load what save_run wrote (load_checkpoint's dict) into the run's objects (save_run's held) and this rank's RNG
-    -> the step to continue from."""
+    -> the step to continue from. They keep none of its tensors: once the dict goes, so does the file's mapping."""
     policy, optimizer, ref = held["policy"], held["optimizer"], held["ref"]
     if hasattr(policy, "unshard") or hasattr(policy, "peft_config"):
         import scale
@@ -349,6 +348,8 @@ def restore(ckpt, out_dir, held, *, rank=0):
     held["scaler"].load_state_dict(ckpt["scaler"])
     if ref is not None and ckpt.get("ref") is not None:
         ref.load_state_dict(ckpt["ref"])
+    for state in optimizer.state.values():  # load_state_dict may keep the file's own (mmap'd) tensors: copies
+        state.update({k: v.clone() for k, v in state.items() if torch.is_tensor(v)})
     torch.set_rng_state(ckpt["rng"][rank]["torch"])
     random.setstate(ckpt["rng"][rank]["python"])
     return ckpt["step"]
@@ -372,10 +373,7 @@ def reduce_op(name):  # how a metric is summarised over micro-batches and proces
 
 
 def reduce(name, values):  # a metric's values over micro-batches -> one value, as reduce_op(name) says
-    op = reduce_op(name)
-    if op == "mean":
-        return sum(values) / len(values)
-    return max(values) if op == "max" else min(values)
+    return {"mean": lambda v: sum(v) / len(v), "max": max, "min": min}[reduce_op(name)](values)
 
 
 class MetricsLog:

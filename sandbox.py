@@ -15,6 +15,7 @@ import itertools
 import marshal
 import math
 import os
+import re
 import select
 import shutil
 import signal
@@ -65,16 +66,40 @@ def sandbox_protections():
 def run_python(code, timeout=None):
     """Run `code` confined as sandbox_protections() says, for timeout seconds (PY_TIMEOUT when None) -> (text,
     status): status None when it exited 0, else one short line (exit code, signal, timeout, output cut); text its
-    stdout and stderr as they came, decoded with U+FFFD for bytes that are not UTF-8, the head shown (the tail after a
-    failure: a traceback's last line). It returns once everything the call started has ended."""
+    stdout and stderr as they came, decoded with U+FFFD for bytes that are not UTF-8, the head shown (after a failure
+    its error, error_start's, whole or its head, which names it, and the tail before it). It returns once everything
+    the call started has ended."""
     timeout = PY_TIMEOUT if timeout is None else timeout
     out, status = _run(_sandbox()[0], code, timeout)
     text = out.decode("utf-8", errors="replace")
     if len(text) > PY_SHOW and status is None:
         text = text[:PY_SHOW] + f" [cut: {len(out)} bytes]"
-    if len(text) > PY_SHOW and status is not None:
-        text = f"[cut: {len(out)} bytes] " + text[-PY_SHOW:]
+    if len(text) > PY_SHOW and status is not None:  # the error whole, or its head (its name); before it, the tail
+        start = error_start(text)
+        error = text[start:]
+        if len(error) > PY_SHOW:
+            error = error[:PY_SHOW] + " [cut]"
+        room = max(0, PY_SHOW - len(error))
+        frames = [m.start() for m in FRAMES.finditer(text, 0, start)]
+        if frames:  # shown from a frame's start, or from the error: error_start finds it again in what is shown
+            keep = min([i for i in frames if i >= start - room], default=start)
+            text = f"[cut: {len(out)} bytes]\n" + text[keep:start] + error
+        else:
+            text = f"[cut: {len(out)} bytes] " + text[max(0, start - room) : start] + error
     return text, status
+
+
+# a traceback's frame, each with its source lines (or the line run_python puts where it cut frames): the error follows
+FRAMES = re.compile(r'^(?:  File ".*|\[cut: \d+ bytes\])\n(?:(?!  File ")[ \t].*\n)*', re.MULTILINE)
+
+
+def error_start(text):
+    """Where a failed program's error starts in its output: the line after a traceback's last frame (the exception's
+    name, its message, maybe several lines, and its notes), else the last line."""
+    frames = list(FRAMES.finditer(text))
+    if frames and text[frames[-1].end() :].strip():
+        return frames[-1].end()
+    return text.rstrip("\n").rfind("\n") + 1
 
 
 @functools.cache

@@ -13,6 +13,7 @@ evals run inside `gathered`, since ranks stop decoding at different steps and mu
 import os
 import pickle
 import shutil
+import sys
 import warnings
 from contextlib import contextmanager
 
@@ -78,6 +79,21 @@ def average_gradients(params, world):
     for q in params:
         if q.grad is not None:
             q.grad.div_(world)
+
+
+def end(error=None):
+    """A torchrun worker's end: every rank leaves together (one that left while rank 0 exports could abort the run), the
+    process groups destroyed, `error` (a line, or None) printed, and the process ended here, exit code 1 with an error.
+    Not through the interpreter's teardown: FSDP2's state keeps its gloo group alive past destroy_process_group, and a
+    thread of that group still freeing a collective's tensors (which takes the GIL) during the teardown is ended by
+    pthread_exit, whose unwinding aborts the worker ('terminate called without an active exception', issue 53)."""
+    dist.barrier()
+    dist.destroy_process_group()
+    if error:
+        print(f"error: {error}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if error else 0)
 
 
 def all_gather(x):

@@ -240,6 +240,7 @@ scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp
 saved_ref = ref if args.ref_sync_every else None  # the reference moves: checkpoints keep it
 held = dict(policy=policy, optimizer=optimizer, scheduler=scheduler, scaler=scaler, ref=saved_ref)  # checkpointed
 start_step = run.restore(ckpt, args.out_dir, held, rank=rank) if ckpt else 0
+del ckpt  # it maps the file it was read from: replacing that file frees its space once it goes
 if master:  # run.json, the resolved flags: the marker that out_dir holds a run (--resume reads ckpt.pt's)
     print(f"prompt sharing off: {why}; the log-prob passes run whole rows" if why else "prompt sharing: on")
     run.write_json(os.path.join(args.out_dir, "run.json"), {**vars(args), "eps_high": obj.eps_high})
@@ -449,8 +450,8 @@ if master and args.export != "none":  # last: a LoRA policy is merged into its b
     print(f"warning: {export_failed}" if export_failed else f"exported ({args.export}) to {args.out_dir}/hf")
 if master:
     log.close()
-if ddp:
-    dist.barrier()  # every rank leaves together: one that left while rank 0 exports can abort the run
-    dist.destroy_process_group()
-if save_failed or export_failed:
-    sys.exit(f"error: {'the last checkpoint was not written: ' + save_failed if save_failed else export_failed}")
+error = f"the last checkpoint was not written: {save_failed}" if save_failed else export_failed
+if ddp:  # every rank leaves together, and ends without the interpreter's teardown (scale.end says why)
+    scale.end(error)
+if error:
+    sys.exit(f"error: {error}")

@@ -620,6 +620,56 @@ def test_resume_of_a_run_whose_metrics_file_is_a_directory_is_one_line(model_dir
     assert files(out) == before and os.path.isdir(metrics) and ckpt_step(out) == 1
 
 
+@pytest.mark.parametrize("where", ["another-run's-folder", "a-folder-of-no-run", "a-link-to-a-run's-ckpt.pt"])
+def test_resume_continues_only_the_run_the_checkpoint_is_the_ckpt_pt_of(model_dir, tmp_path, capsys, where):
+    """Issue 53, 2. A checkpoint file outside its run's folder: beside another run's files as other.pt, as ckpt.pt in a
+    folder with no run.json (a user's copy), or a link to a run's ckpt.pt. Fails if --resume takes the file's folder
+    for the run (it replaced the other run's ckpt.pt and rewrote its metrics, or wrote a run into a user's folder)
+    rather than refusing in one line, or if a link does not continue the run it points to, in that run's folder."""
+    a, b, folder = str(tmp_path / "a"), str(tmp_path / "b"), str(tmp_path / "folder")
+    run_script(TRAIN, train_args(model_dir, a, steps=1))
+    run_script(TRAIN, train_args(model_dir, b, "--seed", 1, steps=2))
+    os.makedirs(folder)
+    with open(os.path.join(folder, "notes.txt"), "w") as f:
+        f.write("a user's notes")
+    target = {
+        "another-run's-folder": os.path.join(b, "other.pt"),
+        "a-folder-of-no-run": os.path.join(folder, "ckpt.pt"),
+        "a-link-to-a-run's-ckpt.pt": os.path.join(folder, "link.pt"),
+    }[where]
+    if where.startswith("a-link"):
+        os.symlink(os.path.join(a, "ckpt.pt"), target)
+    else:
+        shutil.copy(os.path.join(a, "ckpt.pt"), target)
+    before = {d: files(d) for d in (a, b, folder)}
+    if where.startswith("a-link"):
+        run_script(TRAIN, ["--resume", target, "--steps", 2])
+        assert ckpt_step(a) == 2 and [r["step"] for r in read_metrics(a)] == [1, 2]
+        assert files(b) == before[b] and sorted(os.listdir(folder)) == ["link.pt", "notes.txt"]
+        return
+    code, line = script_error(TRAIN, ["--resume", target, "--steps", 3], capsys)
+    assert_one_line(code, line, 2, "--resume", target, "--out-dir")
+    assert {d: files(d) for d in (a, b, folder)} == before
+
+
+def test_a_resumed_run_holds_no_mapping_of_the_checkpoint_it_resumed_from(model_dir, tmp_path):
+    """Issue 53, 3. The checkpoint is read memory-mapped; once restored nothing may keep it mapped, or replacing it
+    frees no space (a resumed run needs room for three checkpoints). Fails if the optimizer keeps the file's own
+    tensors (AdamW's load_state_dict keeps a tensor already of the right dtype and device) or if train.py keeps the
+    checkpoint's dict after run.restore: the run's objects, alive in `g`, still map the old ckpt.pt (now deleted)."""
+    if not os.path.exists("/proc/self/maps"):
+        pytest.skip("reads /proc/self/maps (Linux)")
+    out = str(tmp_path / "run")
+    run_script(TRAIN, train_args(model_dir, out, "--config", "save_every=1", steps=1))
+    g = run_script(TRAIN, ["--resume", out, "--steps", 3])
+    assert g["start_step"] == 1 and ckpt_step(out) == 3
+    ckpt = os.path.join(out, "ckpt.pt")
+    with open("/proc/self/maps") as f:
+        mapped = [line for line in f if ckpt in line]
+    opened = [fd for fd in os.listdir("/proc/self/fd") if ckpt in os.path.realpath(f"/proc/self/fd/{fd}")]
+    assert mapped == [] and opened == [], (mapped, opened)
+
+
 @pytest.mark.parametrize("damage", ["torn", "blank"])
 def test_resume_drops_a_torn_last_line_and_blank_lines_of_the_metrics(model_dir, tmp_path, damage):
     out = str(tmp_path)
@@ -746,8 +796,22 @@ def test_a_signal_mid_run_ends_in_one_line_and_the_run_resumes(model_dir, tmp_pa
 # a full disk while saving
 
 
-def test_disk_full_keeps_the_last_good_checkpoint_and_ends_in_one_line(model_dir, tmp_path, capsys, monkeypatch):
-    save_until_full = toy.save_that_fails(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)), 1 / 3)  # a third in
+@pytest.mark.parametrize("raised", ["OSError", "RuntimeError"])
+def test_disk_full_keeps_the_last_good_checkpoint_and_ends_in_one_line(
+    model_dir, tmp_path, capsys, monkeypatch, raised
+):
+    """Either error a full disk gives: os.replace's OSError, or torch.save's RuntimeError ('unexpected pos ...',
+    raised here by torch.save onto /dev/full, a device that is always full). Fails if run.save lets either through
+    (a traceback, issue 53, 3) instead of the warning, the run going on and one line at the end that names the file
+    and says make room; or if the temp file stays or the last good checkpoint is touched."""
+    error = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    if raised == "RuntimeError":
+        if not os.path.exists("/dev/full"):
+            pytest.skip("needs /dev/full (Linux)")
+        with pytest.raises(RuntimeError, match="unexpected pos") as full:
+            torch.save({"x": torch.zeros(4096)}, "/dev/full")
+        error = full.value
+    save_until_full = toy.save_that_fails(error, 1 / 3)  # a third in
     monkeypatch.setattr(torch, "save", save_until_full)
     out = str(tmp_path)
     with pytest.raises(SystemExit) as e:
@@ -767,8 +831,8 @@ def test_disk_full_keeps_the_last_good_checkpoint_and_ends_in_one_line(model_dir
         1,
         "the last checkpoint was not written",
         f"{out}/ckpt.pt",
-        "No space left on device",
-        f"make room in {out}",
+        "No space left on device" if raised == "OSError" else "unexpected pos",
+        "make room",
     )
 
 

@@ -126,6 +126,34 @@ def test_tool_schema_result_and_error_reply(mode, monkeypatch):
         python("print('partial')\nwhile True:\n    pass")
 
 
+@pytest.mark.parametrize(
+    "code, name",
+    [
+        ("raise ValueError('v' * 2000)", "ValueError: vvv"),
+        ("print('x' * 3000)\nraise KeyError('k' * 2000)", "KeyError: 'kkk"),
+        ("raise ValueError('bad\\n' + 'v' * 2000)", "ValueError: bad"),
+        ("e = ValueError('x')\ne.add_note('n' * 2000)\nraise e", "ValueError: x"),
+        ("def f(n):\n    if n:\n        f(n - 1)\n    raise OSError('bad\\n' + 'w' * 300)\nf(40)", "OSError: bad"),
+        ("raise ValueError('v' * 100_000)", "ValueError: vvv"),
+    ],
+    ids=["long-last-line", "after-long-output", "lines-of-message", "a-note", "deep-traceback", "past-the-read-cap"],
+)
+def test_a_failing_call_s_reply_starts_with_the_exception_s_name(code, name):
+    """Issue 53, 5: a reply keeps its head (64 tokens), so it starts with the error: the exception's name and the start
+    of its message, whatever the message's length or lines, then the exit status. Fails if run_python cuts a failure's
+    output to its tail (a last line longer than PY_SHOW loses its name: 'error: [cut: ...] vvvv'), or if envs.python
+    puts a traceback's last line first (a message of several lines, or a note, starts the reply without the name)."""
+    with pytest.raises(RuntimeError) as e:
+        python(code)
+    reply = str(e.value)
+    if name == "ValueError: vvv" and "100_000" in code:  # stopped at PY_READ or exited: the status may come first
+        assert name in reply[:120], reply[:300]
+    else:
+        first = reply.splitlines()[0]
+        assert first.startswith(name) and first.endswith("(exit 1)"), reply[:300]
+    assert len(reply) < 2 * PY_SHOW, len(reply)
+
+
 def test_start_up_line_is_one_line_and_honest(mode):
     """Fails if the line spans lines, or if it leaves out 'not a security boundary' where namespaces or Landlock
     are missing (or says it where both hold)."""

@@ -388,6 +388,26 @@ def test_fsdp_resume_from_its_dcp_checkpoint_is_exact(three_runs, model_dir, tmp
         assert {k: v for k, v in a.items() if k not in TIMING} == {k: v for k, v in b.items() if k not in TIMING}
 
 
+@pytest.mark.parametrize("error", [None, "the last checkpoint was not written: disk full"], ids=["done", "failed"])
+def test_a_torchrun_worker_ends_in_scale_end_without_the_interpreter_s_teardown(error):
+    """Issue 53, 6: FSDP2 keeps its gloo group alive past destroy_process_group; a thread of it still freeing tensors
+    during the interpreter's teardown aborted a worker at random ('terminate called without an active exception').
+    Fails if scale.end returns (or exits through the teardown: the atexit line appears), loses the output printed
+    before it, or does not end with the error line and exit code 1 (0 without one)."""
+    script = (
+        f"import atexit, sys; sys.path.insert(0, {REPO!r}); import scale, torch.distributed as dist\n"
+        "def nothing(*a, **k):\n    pass\n"
+        "dist.barrier = dist.destroy_process_group = nothing  # one process: no group to leave\n"
+        "atexit.register(print, 'teardown ran')\n"
+        "print('the run', end='')\n"
+        f"scale.end({error!r})\n"
+        "print('scale.end returned')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.stdout == "the run", proc.stdout
+    assert proc.returncode == (1 if error else 0) and proc.stderr == (f"error: {error}\n" if error else ""), proc
+
+
 @pytest.mark.slow
 def test_eval_export_and_eval_from_a_dcp_run(three_runs, tmp_path):
     """One process reads the shards of both ranks: the same weights as the run's own (gathered) export."""

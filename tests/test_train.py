@@ -9,6 +9,7 @@ import inspect
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -311,9 +312,10 @@ def test_resume_in_a_fresh_process_is_exact(run4, model_dir, tmp_path):
 
 def test_resume_flags_on_top_of_the_checkpoint_config(run4, tmp_path):
     """--eps-high defaults to --eps: a resumed run given only --eps must not keep the old eps_high; the
-    checkpoint's config-only keys (save_every=2) stay unless a --config changes them."""
-    ckpt = torch.load(os.path.join(run4, "ckpt.pt"), weights_only=True)
-    torch.save(ckpt, tmp_path / "ckpt.pt")
+    checkpoint's config-only keys (save_every=2) stay unless a --config changes them. The run is a copy of run4's
+    ckpt.pt and run.json (a resume continues only a ckpt.pt beside its run.json), without its metrics."""
+    for name in ("ckpt.pt", "run.json"):
+        shutil.copy(os.path.join(run4, name), tmp_path / name)
     g = run_script(TRAIN, ["--resume", tmp_path, "--eps", 0.3, "--steps", 5, "--config", "log_completions=0"])
     assert (g["args"].eps, g["obj"].eps_high, g["args"].steps, g["start_step"]) == (0.3, 0.3, 5, 4)
     assert (g["args"].out_dir, g["args"].save_every, g["args"].log_completions) == (str(tmp_path), 2, 0)
