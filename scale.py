@@ -86,7 +86,7 @@ def end(error=None):
     process groups destroyed, `error` (a line, or None) printed, and the process ended here, exit code 1 with an error.
     Not through the interpreter's teardown: FSDP2's state keeps its gloo group alive past destroy_process_group, and a
     thread of that group still freeing a collective's tensors (which takes the GIL) during the teardown is ended by
-    pthread_exit, whose unwinding aborts the worker ('terminate called without an active exception', issue 53)."""
+    pthread_exit, whose unwinding aborts the worker ('terminate called without an active exception')."""
     dist.barrier()
     dist.destroy_process_group()
     if error:
