@@ -183,7 +183,8 @@ def test_the_step_traces_whole_under_torch_compile(kind):
     cache = rollout._Cache(config=model.config)
     with torch.no_grad():
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1]
+        kv = rollout._cache_kwarg(model, cache)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **kv).logits[:, -1]
         eager = decode._start(cache, logits, mask, u)
         args = (rollout.Sampler(), torch.tensor([-1]), 0)  # no stop token: every row decodes
         decode.draw(eager, *args)
