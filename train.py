@@ -218,7 +218,7 @@ ref_off = policy.disable_adapter if args.lora_rank else nullcontext  # runs the 
 context = getattr(policy.config, "max_position_embeddings", None) or 10**9  # a longer prompt keeps its last tokens
 if args.max_new_tokens >= context:
     p.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's {context} tokens")
-sampling = dict(max_new_tokens=args.max_new_tokens, sampler=sampler, dtype=dtype, env=env)  # what every step's shares
+sampling = dict(max_new_tokens=args.max_new_tokens, sampler=sampler, dtype=dtype, env=env)  # every step's settings
 sampling.update(stop_ids=rollout.stop_token_ids(tokenizer, policy), max_prompt_tokens=context - args.max_new_tokens)
 full_kl = args.kl_estimator == "full" and ref is not None
 if full_kl and ref_device != device:  # the full KL's reference head runs where the policy's hidden states are
