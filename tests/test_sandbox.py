@@ -236,6 +236,15 @@ def test_the_program_cannot_signal_its_wrapper_and_stay(mode, first):
     assert gone(lambda: marked(marker) + wrappers(os.getpid()), 0) == []
 
 
+def start_sleeping(caller, marker):
+    """Hand the caller (reading its program on stdin) a program that writes `marker` and sleeps; wait until it has."""
+    with caller.stdin:
+        caller.stdin.write(sleeper(marker) + "import time\ntime.sleep(60)")
+    end = time.monotonic() + BOUND
+    while not marked(marker) and time.monotonic() < end:
+        time.sleep(0.05)
+
+
 def test_a_stopped_group_does_not_stall_the_call(mode):
     """Issue 43.3. Fails if a program that SIGSTOPs its process group (the wrapper too, where it shares it) makes the
     call wait on a stopped process (the kill path waiting 10 s for a stopped wrapper) or leaves anything running."""
@@ -257,11 +266,7 @@ def test_a_killed_caller_leaves_nothing(mode):
     conf = json.dumps(sandbox._sandbox()[0])
     caller = subprocess.Popen([sys.executable, "-c", script, str(REPO), conf], stdin=subprocess.PIPE, text=True)
     try:
-        with caller.stdin:
-            caller.stdin.write(sleeper(marker) + "import time\ntime.sleep(60)")
-        end = time.monotonic() + BOUND
-        while not marked(marker) and time.monotonic() < end:
-            time.sleep(0.05)
+        start_sleeping(caller, marker)
         assert marked(marker), "the call did not start"
     finally:
         caller.kill()
@@ -584,11 +589,7 @@ def test_a_killed_callers_uid_is_not_taken_again(tmp_path, monkeypatch):
     argv = [sys.executable, "-c", CALLER, str(REPO), json.dumps(conf), sandbox.PY_UIDS]
     caller = subprocess.Popen(argv, stdin=subprocess.PIPE, text=True)
     try:
-        with caller.stdin:
-            caller.stdin.write(sleeper(marker) + "import time\ntime.sleep(60)")
-        end = time.monotonic() + BOUND
-        while not marked(marker) and time.monotonic() < end:
-            time.sleep(0.05)
+        start_sleeping(caller, marker)
         with open(f"/proc/{marked(marker)[0]}/status") as f:
             uid = int(next(line for line in f if line.startswith("Uid:")).split()[1])
     finally:
