@@ -12,6 +12,7 @@ line where they differ (a fork's hook or a module whose Python runs each call, w
 import itertools
 import weakref
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -184,7 +185,9 @@ def _replayed(model, cache, logits, mask, u, *, sampler, stop, pad_id, env, dtyp
 
 def _capture(model, s, sampler, stop, pad_id, env):
     """Two real steps on a side stream (lazy inits, cuBLAS's workspace), then the step captured; returns the graph."""
-    body = (lambda: step(model, s, sampler, stop, pad_id)) if env is None else (lambda: feed(model, s))
+    body = partial(feed, model, s)  # with an environment the draw runs eagerly, around its host code
+    if env is None:
+        body = partial(step, model, s, sampler, stop, pad_id)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -199,12 +202,16 @@ def _capture(model, s, sampler, stop, pad_id, env):
     return graph
 
 
-ON_CUDA = "graph"  # rollout.sample's loop on a CUDA device: a key of DECODE (a benchmark or a fork sets it)
+ON_CUDA = "graph"  # train.py's and eval.py's loop on a CUDA device: a key of DECODE (a benchmark or a fork sets it)
 DECODE = {  # rollout.sample(loop=...): the decode loops by name
     "dynamic": rollout.decode_dynamic,  # the model's DynamicCache, a column a step (the loop on a CPU)
     "static": decode_static,  # a preallocated cache written in place, each step run eagerly
     "graph": decode_graph,  # that step captured once as a CUDA graph and replayed per token
 }
+
+
+def on_cuda(*args, **kwargs):  # the loop train.py and eval.py give rollout.sample on a CUDA device
+    return DECODE[ON_CUDA](*args, **kwargs)
 
 
 def problem(model, dtype):

@@ -20,6 +20,7 @@ import argparse
 import ast
 import copy
 import dataclasses
+import importlib
 import json
 import os
 import shutil
@@ -32,7 +33,7 @@ from transformers import AutoModelForCausalLM
 import run
 import tasks
 from models import DTYPES, check_dtype, load_model, load_tokenizer, resolve_device, resolve_dtype
-from rollout import Sampler
+from rollout import Sampler, decode_dynamic
 from tasks import evaluate, pass_at_k  # noqa: F401 (pass_at_k: eval.pass_at_k)
 
 
@@ -240,6 +241,9 @@ def main():
         env = task.env(tok) if task.env else None  # with the run's task_options, or --task-options
         fields = {f.name: cfg[f.name] for f in dataclasses.fields(Sampler) if f.name in cfg}  # the run's sampling
         sampler = Sampler(**{**fields, "temperature": args.temperature})
+        loop = decode_dynamic  # on CUDA the decode step captured as a CUDA graph (decode.py), where its probe passes
+        if device.type == "cuda":
+            loop = importlib.import_module("decode").on_cuda
     except ValueError as e:  # ModelError, DataError, a bad checkpoint or path: what was named cannot be used
         p.error(str(e))
     try:
@@ -257,6 +261,7 @@ def main():
             seed=args.seed,
             dtype=dtype,
             env=env,
+            loop=loop,
         )
         print(
             f"{args.task}/{args.split} {args.ckpt or name}: "

@@ -186,8 +186,7 @@ def _autocast(model, dtype):
 
 
 def cast_once(device):
-    """Outermost around micro-batches, a disabled autocast keeps autocast's cache of weight casts until it ends (on a
-    CPU; on CUDA the head's checkpointed recompute, in autograd's device thread, clears it: BENCHMARKS.md)."""
+    """Outermost around micro-batches, a disabled autocast keeps autocast's weight casts until it ends (a CPU's)."""
     return torch.autocast(device.type, enabled=False)
 
 
@@ -205,7 +204,7 @@ def sample(
     max_prompt_tokens=None,
     env=None,
     examples=None,
-    loop=None,  # a decode loop (decode.DECODE); None: decode_dynamic, on CUDA decode.py's captured step
+    loop=decode_dynamic,  # the decode loop: on CUDA the caller may pass decode.py's captured one
 ):
     """`group_size` completions per prompt, drawn from sampler.logits, through `model(...)` and its KV cache: a prompt
     prefilled once, its cache repeated G times; the rows decode together to a stop token or max_new_tokens. generator:
@@ -239,9 +238,7 @@ def sample(
             pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
             kv = _cache_kwarg(model, cache)
             out = model(input_ids=ids, attention_mask=mask, position_ids=pos, **kv, use_cache=True, logits_to_keep=1)
-        if loop is None and device.type == "cuda":  # a static cache and the step captured (decode.py)
-            loop = importlib.import_module("decode").on_cuda
-        tokens, logps, own, reply, ended = (loop or decode_dynamic)(
+        tokens, logps, own, reply, ended = loop(
             model, cache, out.logits[:, -1], mask, u, sampler=sampler, stop=stop, pad_id=pad_id, env=env, dtype=dtype
         )  # (N, C) each, holes dropped; ended (N,)
     finally:
@@ -270,8 +267,7 @@ def sample(
 
 
 def concat(rollouts):
-    """Rollouts of different widths -> one: prompts re-padded on the left, completions on the right (masked,
-    log-prob 0)."""
+    """Rollouts of different widths -> one: prompts re-padded left, completions right (masked, log-prob 0)."""
     out = {}
     for name in [f.name for f in fields(Rollout)]:
         parts = [getattr(r, name) for r in rollouts]  # (n_i, w_i) or (n_i,) or lists

@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from rewards import answers_match, extract_answer, extract_flexible, has_final_answer
-from rollout import Sampler, sample, stop_token_ids
+from rollout import Sampler, decode_dynamic, sample, stop_token_ids
 
 # prompts: the one place to edit what the model is told. short: a 135M model reads it.
 SYSTEM_PROMPT = (
@@ -172,6 +172,7 @@ def evaluate(
     progress=True,
     dtype=None,
     env=None,
+    loop=decode_dynamic,
 ):
     """Score `examples` -> (summary, one record per example); n=1 is greedy, n>1 samples n completions each from
     `sampler` (mean accuracies, pass@k). dtype: sampling's compute dtype. progress: a bar on stderr. A task with an
@@ -200,6 +201,7 @@ def evaluate(
                 dtype=dtype,
                 env=env,
                 examples=batch,
+                loop=loop,
             )
             for j, ex in enumerate(batch):
                 rows = range(j * n, (j + 1) * n)

@@ -218,7 +218,10 @@ ref_off = policy.disable_adapter if args.lora_rank else nullcontext  # runs the 
 context = getattr(policy.config, "max_position_embeddings", None) or 10**9  # a longer prompt keeps its last tokens
 if args.max_new_tokens >= context:
     p.error(f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the model's {context} tokens")
-sampling = dict(max_new_tokens=args.max_new_tokens, sampler=sampler, dtype=dtype, env=env)  # every step's settings
+loop = rollout.decode_dynamic  # on CUDA the decode step captured as a CUDA graph (decode.py), where its probe passes
+if device.type == "cuda":
+    loop = importlib.import_module("decode").on_cuda
+sampling = dict(max_new_tokens=args.max_new_tokens, sampler=sampler, dtype=dtype, env=env, loop=loop)  # every step's
 sampling.update(stop_ids=rollout.stop_token_ids(tokenizer, policy), max_prompt_tokens=context - args.max_new_tokens)
 full_kl = args.kl_estimator == "full" and ref is not None
 if full_kl and ref_device != device:  # the full KL's reference head runs where the policy's hidden states are
@@ -313,7 +316,7 @@ def run_eval(step):
     with gathered(policy):  # --fsdp: every rank gathers the weights, rank 0 evaluates
         if master and test_set:
             summary, _ = tasks.evaluate(
-                policy, tokenizer, task, test_set, max_new_tokens=args.max_new_tokens, dtype=dtype, env=env
+                policy, tokenizer, task, test_set, max_new_tokens=args.max_new_tokens, dtype=dtype, env=env, loop=loop
             )
             tqdm.write(f"eval step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in summary.items()))
             log.write({"step": step, **{f"eval/{k}": v for k, v in summary.items()}})

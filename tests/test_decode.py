@@ -215,9 +215,10 @@ def test_the_probe_refuses_a_hook_and_the_graph_falls_back(capsys):
 
 @pytest.mark.skipif(CUDA, reason="the CPU's answer")
 def test_graph_on_a_cpu_says_it_decodes_eagerly(capsys):
-    """The graph loop without CUDA: one line, then the dynamic loop's rollout. Fails on a traceback or silence."""
+    """The loop train.py and eval.py pass on CUDA, here without CUDA: one line, then the dynamic loop's rollout. Fails
+    on a traceback (a missing entry point, a CUDA call) or silence."""
     tok, model = make_tokenizer(), tiny()
-    a, b = both(model, tok, PROMPTS, 2, decode.DECODE["graph"], max_new_tokens=6, stop_ids=[EOS])
+    a, b = both(model, tok, PROMPTS, 2, decode.on_cuda, max_new_tokens=6, stop_ids=[EOS])  # train.py's on CUDA
     assert "CUDA" in capsys.readouterr().out
     assert torch.equal(a.completion_ids, b.completion_ids)
 
@@ -247,12 +248,12 @@ def test_the_captured_loop_reads_the_host_every_few_tokens():
     """The host syncs of a 64-token captured sampling (16 rows): fails if the loop reads `done` every token (64+
     syncs) rather than every CHECK_EVERY tokens, or if the step itself syncs (capture would fail)."""
     tok, model = make_tokenizer(), tiny().cuda()
-    rollout.sample(model, tok, PROMPTS, 2, max_new_tokens=8, stop_ids=[EOS])  # the probe, once per model
+    rollout.sample(model, tok, PROMPTS, 2, max_new_tokens=8, stop_ids=[EOS], loop=decode.on_cuda)  # the probe
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            r = rollout.sample(model, tok, PROMPTS[:2], 8, max_new_tokens=64, stop_ids=[EOS])
+            r = rollout.sample(model, tok, PROMPTS[:2], 8, max_new_tokens=64, stop_ids=[EOS], loop=decode.on_cuda)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs, steps = sum("synchroniz" in str(w.message) for w in seen), r.completion_ids.size(1)

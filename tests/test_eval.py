@@ -88,7 +88,9 @@ def test_pass_at_k_is_the_fraction_of_k_subsets_with_a_correct_sample():
 def stub_sample(correct, calls):
     """rollout.sample for toy prompts: example q's first correct[q] of n completions are right (toy.score)."""
 
-    def sample(model, tokenizer, prompts, n, *, max_new_tokens, stop_ids, sampler, generator, dtype, env, examples):
+    def sample(
+        model, tokenizer, prompts, n, *, max_new_tokens, stop_ids, sampler, generator, dtype, env, examples, loop
+    ):
         calls.append((len(prompts), n, sampler.temperature))
         outs = []
         for msgs in prompts:
