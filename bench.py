@@ -34,7 +34,8 @@ import zlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from run import check, user_path  # noqa: E402
+from config import user_path  # noqa: E402
+from eval import check_ranges  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 p.add_argument("--model", default="smollm2-135m")
@@ -104,7 +105,7 @@ p.add_argument("--src", default=HERE, help=argparse.SUPPRESS)
 p.add_argument("--out", default=None, help=argparse.SUPPRESS)
 args = p.parse_args()
 if not args.child:  # every number's range; a flag of another mode is no flag here
-    check(
+    check_ranges(
         p,
         args,
         {

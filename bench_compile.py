@@ -21,7 +21,7 @@ from torch._dynamo.utils import counters
 import rollout
 from models import DTYPES, load_model, load_tokenizer, resolve_device, resolve_dtype
 from rollout import stop_token_ids
-from run import check
+from eval import check_ranges
 from tasks import TASKS
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -29,7 +29,7 @@ p.add_argument("--model", default="smollm2-135m")
 p.add_argument("--dtype", default="auto", choices=["auto", *DTYPES], help="auto: bf16 where its matmuls are native")
 p.add_argument("--rounds", type=int, default=6, help="rounds over the widths; each width compiles in the first")
 args = p.parse_args()
-check(p, args, {"rounds": ">= 1"})
+check_ranges(p, args, {"rounds": ">= 1"})
 
 
 def compile_bench(model_name, dtype, rounds, widths=(16, 32, 48), steps=80):

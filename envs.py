@@ -23,6 +23,7 @@ import torch
 from transformers.utils import get_json_schema
 
 import sandbox
+from rewards import RewardError
 
 MAX_CHARS, MAX_DIGITS, MAX_EXPONENT = 200, 100, 64  # far beyond word-problem arithmetic; each op stays instant
 OPS = {
@@ -140,7 +141,7 @@ class EnvDriver:
         """Start a rollout: group_size rows per example, each its own environment reset on it -> the prompts, each with
         its first row's opening message (if any) as a last user message."""
         self.envs = [self.make() for _ in range(len(examples) * group_size)]
-        openings = [env.reset(examples[i // group_size]) for i, env in enumerate(self.envs)]
+        openings = [_guarded(i, env.reset, examples[i // group_size]) for i, env in enumerate(self.envs)]
         self._text = [[] for _ in self.envs]  # each row's own token ids since its last reply
         self._queue = [deque() for _ in self.envs]  # reply ids still to feed
         self._pending = [None] * len(self.envs)  # (future of a turn, whether it was at a stop token)
@@ -190,7 +191,7 @@ class EnvDriver:
                     end[i] = False
                     continue
                 self._pending[i] = None
-                message, finished = future.result()
+                message, finished = _guarded(i, future.result)
                 if finished or (message is None and at_stop):
                     end[i] = True
                     continue
@@ -207,7 +208,7 @@ class EnvDriver:
             text = self.tokenizer.decode(self._text[i][: len(self._text[i]) - end[i]], skip_special_tokens=False)
             if left[i] == 0 and not end[i]:  # the budget ends the row here: the environment may judge what is left
                 if hasattr(self.envs[i], "end"):
-                    self.envs[i].end(text)
+                    _guarded(i, self.envs[i].end, text)
                 continue
             if getattr(self.envs[i], "ends_turn", _at_stop)(text, end[i]):
                 self._pending[i] = (self.pool.submit(self.envs[i].turn, text, end[i]), end[i])
@@ -238,7 +239,7 @@ class EnvDriver:
     def states(self):
         """Each row's environment state (N dicts), once its last turn has finished."""
         wait([p[0] for p in self._pending if p is not None])
-        return [check_state(env.state()) for env in self.envs]
+        return [check_state(env.state(), row) for row, env in enumerate(self.envs)]
 
     def probe(self, example):
         """The state of a fresh environment reset on `example`: its keys are reward fields (checked before a run)."""
@@ -250,16 +251,28 @@ class EnvDriver:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]  # the template's own control tokens
 
 
+def _guarded(row, fn, *args):
+    """fn(*args) of row's environment; an exception it raises becomes a one-line RewardError naming the row (the run
+    ends on it in one line, never a traceback)."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        what = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+        raise RewardError(f"the environment of row {row} raised {what}") from e
+
+
 def _at_stop(text, stopped):  # an environment's default ends_turn: the row's own stop token ends its turn
     return stopped
 
 
-def check_state(state):
-    """state, if every value is a number (they are averaged into metrics), else ValueError naming the key."""
+def check_state(state, row=None):
+    """state, if every value is a number (they are averaged into metrics, read as reward fields), else a RewardError
+    naming the key and the row (None: a fresh environment's, at start-up)."""
     for key, value in state.items():
         if type(value) not in (bool, int, float):
-            raise ValueError(
-                f"environment state {key!r} is {value!r:.40}: a state value must be a number (bool, int, float)"
+            raise RewardError(
+                f"environment state {key!r} {'' if row is None else f'of row {row} '}is {value!r:.40}: a state value "
+                "must be a number (bool, int, float)"
             )
     return state
 

@@ -22,50 +22,116 @@ import copy
 import dataclasses
 import importlib
 import json
+import math
 import os
 import shutil
 import sys
 import tempfile
 
 import torch
+from tqdm import tqdm
 from transformers import AutoModelForCausalLM
 
+import config
 import run
-import tasks
 from models import DTYPES, check_dtype, load_model, load_tokenizer, resolve_device, resolve_dtype
-from rollout import Sampler, decode_dynamic
-from tasks import evaluate, pass_at_k  # noqa: F401 (pass_at_k: eval.pass_at_k)
+from rollout import Sampler, decode_dynamic, sample, stop_token_ids
+
+
+def check_ranges(p, args, ranges):
+    """A script's plain argparse flags (eval.py's, bench.py's) against `ranges` {name: range}: p.error in one line."""
+    for a in p._actions:
+        if a.dest in ranges and getattr(args, a.dest) is not None:
+            decl = config.Decl(a.dest, a.type, True, a.default, config.Knob(ranges[a.dest]))
+            if why := config.problem(decl, getattr(args, a.dest), a.option_strings[-1]):
+                p.error(why)
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k of one problem with c of n samples correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021,
+    arXiv 2107.03374, eq. 1), as the product 1 - prod_{i=n-c+1}^{n} (1 - k/i): no huge binomials."""
+    return 1.0 if n - c < k else 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+@torch.no_grad()
+def evaluate(
+    model,
+    tokenizer,
+    task,
+    examples,
+    *,
+    max_new_tokens=256,
+    batch_size=32,
+    n=1,
+    sampler=None,
+    seed=0,
+    progress=True,
+    dtype=None,
+    env=None,
+    loop=decode_dynamic,
+):
+    """Score `examples` -> (summary, one record per example); n=1 is greedy, n>1 samples n completions each from
+    `sampler` (mean accuracies, pass@k). dtype: sampling's compute dtype. progress: a bar on stderr. A task with an
+    environment runs it (env: an envs.EnvDriver, else the task's): task.score reads the model's own words and the row's
+    environment state, as the rewards do; each record keeps the trajectory; the states' means are env/ keys."""
+    if task.env and env is None:
+        env = task.env(tokenizer)
+    if n == 1:
+        sampler = Sampler(temperature=0.0)
+    sampler = sampler or Sampler()
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    per_batch = max(1, batch_size // n)
+    records, correct = [], []  # one record an example; how many of its n are right
+    with tqdm(total=len(examples), desc="eval", unit="problem", disable=not progress, leave=False) as bar:
+        for i in range(0, len(examples), per_batch):
+            batch = examples[i : i + per_batch]
+            r = sample(
+                model,
+                tokenizer,
+                [task.prompt(ex) for ex in batch],
+                n,
+                max_new_tokens=max_new_tokens,
+                stop_ids=stop_token_ids(tokenizer, model),
+                sampler=sampler,
+                generator=generator,
+                dtype=dtype,
+                env=env,
+                examples=batch,
+                loop=loop,
+            )
+            for j, ex in enumerate(batch):
+                rows = range(j * n, (j + 1) * n)
+                scores = [task.score(r.completions[k], ex, r.env_state[k]) for k in rows]
+                correct.append(sum(bool(s["strict"]) for s in scores))
+                record = {"question": ex["question"], "gold": ex["answer"], "completion": r.completions[j * n]}
+                record.update(pred=scores[0]["pred"], correct=scores[0]["strict"], source=ex.get("source"))
+                record.update({k: sum(s[k] for s in scores) / n for k in scores[0] if k != "pred"})  # strict, ...
+                record["env"] = {k: sum(r.env_state[x][k] for x in rows) / n for k in r.env_state[j * n]}
+                if n > 1:
+                    record["completions"] = r.completions[j * n : (j + 1) * n]
+                if env is not None:  # the conversation, replies included
+                    record["trajectory"] = r.trajectories[j * n]
+                records.append(record)
+            bar.update(len(batch))
+    m = max(len(records), 1)
+    names = {"strict": "strict_acc", "flexible": "flexible_acc", "format": "format_rate", "score": "score"}
+    summary = {"n_examples": len(records)}
+    if records:  # accuracies, a partial-credit mean; the environments' states
+        summary.update({names[k]: sum(x[k] for x in records) / m for k in records[0] if k in names})
+        summary.update({f"env/{k}": sum(x["env"][k] for x in records) / m for k in records[0]["env"]})
+    for source in sorted({x["source"] for x in records} - {None}):  # a mix: which task moved
+        mine = [x["strict"] for x in records if x["source"] == source]
+        summary[f"strict_acc/{source}"] = sum(mine) / len(mine)
+    if n > 1:
+        ks = sorted({2**j for j in range(n.bit_length())} | {n})  # 1, 2, 4, ... up to n, and n
+        summary.update({f"pass@{k}": sum(pass_at_k(n, c, k) for c in correct) / m for k in ks})
+    return summary, records
 
 
 def fresh(path):
     """path, or where it exists path's stem with -1, -2, ...: what a tool writes by default replaces nothing."""
     stem, ext = os.path.splitext(path)
     return next(p for i in range(10**6) if not os.path.exists(p := f"{stem}-{i}{ext}" if i else path))
-
-
-def read_metrics(path):
-    """A run dir or its metrics.jsonl -> its rows (dicts with a step), sorted by step; ValueError if none."""
-    path = os.path.join(path, "metrics.jsonl") if os.path.isdir(path) else path
-    if not os.path.isfile(path):
-        raise ValueError(f"no metrics.jsonl at {path}; pass a train.py --out-dir")
-    rows = [r for r in run.read_jsonl(path) if isinstance(r.get("step"), int)]  # blank and torn lines skipped
-    if not rows:
-        raise ValueError(f"{path} has no metrics rows (empty, or the run has not logged a step); nothing plotted")
-    return sorted(rows, key=lambda r: r["step"])
-
-
-def series(rows, key):
-    """(steps, values) of the rows that logged `key`; null (a non-finite value in the run) is left out."""
-    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-    return [s for s, _ in pts], [v for _, v in pts]
-
-
-def running_mean(values, window):
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v - (values[i - window] if i >= window else 0.0)
-        out.append(total / min(i + 1, window))
-    return out
 
 
 def load_checkpoint_model(path, device, dtype, merge=True):
@@ -120,17 +186,21 @@ def resolve_task(args):
         said = [f"task {args.task}", args.data_dir and f"data dir {args.data_dir}", options and "its options"]
         print(f"{', '.join(filter(None, said))} (from the run; --task to change)")
     args.task = args.task or "gsm8k"
-    return tasks.get(args.task, options)
+    return importlib.import_module("extra_tasks").get(args.task, options)  # any task: tasks.py's and the others
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--task", help="tasks.py, extra_tasks.py, rg:NAME (default: a --ckpt run's task, else gsm8k)")
-    p.add_argument("--data-dir", type=run.user_path, help="local GSM8K dir (else $GSM8K_DIR, else download)")
+    p.add_argument(
+        "--data-dir",
+        type=config.user_path,
+        help="GSM8K's dir (else $GSM8K_DIR, else download); jsonl's .jsonl file or dir",
+    )
     p.add_argument("--task-options", help="the task's options (train.py's task_options), e.g. \"{'digits': 2}\"")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", type=run.user_path, help="hub id, local HF dir, .gguf file or smollm2-135m")
-    src.add_argument("--ckpt", type=run.user_path, help="train.py out dir or ckpt.pt")
+    src.add_argument("--model", type=config.user_path, help="hub id, local HF dir, .gguf file or smollm2-135m")
+    src.add_argument("--ckpt", type=config.user_path, help="train.py out dir or ckpt.pt")
     p.add_argument("--split", default="test", choices=["train", "test"])
     p.add_argument("--limit", type=int, default=None, help="first N examples of the split (default: all)")
     p.add_argument("--n", type=int, default=1, help="samples per question; 1 = greedy")
@@ -147,12 +217,12 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--out",
-        type=run.user_path,
+        type=config.user_path,
         help="predictions jsonl (default: beside the ckpt, or ./predictions.jsonl; a new name when that exists)",
     )
     p.add_argument(
         "--export",
-        type=run.user_path,
+        type=config.user_path,
         metavar="DIR",
         help="write --ckpt as a HF folder (weights in --dtype, LoRA merged) to DIR instead of evaluating",
     )
@@ -160,7 +230,7 @@ def main():
     p.add_argument(
         "--plot",
         nargs="+",
-        type=run.user_path,
+        type=config.user_path,
         metavar="RUN",
         help="draw these runs' curves to --out "
         "(default curves.png, or a new name when that exists) instead of evaluating",
@@ -170,7 +240,7 @@ def main():
     p.add_argument("--smooth", type=int, default=5, help="--plot: running-mean window in steps")
     p.add_argument("--title", default=None, help="--plot: the figure's title")
     args = p.parse_args()
-    run.check(
+    check_ranges(
         p,
         args,
         {
@@ -189,11 +259,19 @@ def main():
     if idle:  # a flag of the other mode
         p.error(f"--{idle[0].replace('_', '-')} has no effect {'with' if args.plot else 'without'} --plot; drop it")
     if args.plot:
-        return plot(p, args)
+        import plot  # the curves: plot.py, imported only here
+
+        return plot.plot(p, args, fresh)
     if args.adapter and args.export is None:
         p.error("--adapter writes a LoRA run's adapters with --export DIR; pass --export DIR or drop --adapter")
     if args.export is not None:
         return export(p, args, given)
+    return predict(p, args, given)
+
+
+def predict(p, args, given):
+    """eval.py without --plot or --export: the task's split scored, the predictions written beside the run (--ckpt)
+    or to --out, a one-line summary printed."""
     if "temperature" in given and args.n == 1:
         print("note: --temperature has no effect with --n 1 (greedy); pass --n > 1 to sample")
     if args.n > args.batch_size:
@@ -277,58 +355,6 @@ def main():
         print(f"predictions -> {out}")
     finally:  # every way out, an interruption too: no temp file left behind
         run.remove(tmp)
-
-
-def plot(p, args):
-    """eval.py --plot RUN...: the runs' curves, one line each (a run given twice would hide itself)."""
-    paths = [os.path.abspath(r) for r in args.plot]
-    if len(set(paths)) < len(paths):
-        p.error(f"{next(r for r in paths if paths.count(r) > 1)} is given twice; give each run once")
-    args.out = args.out or fresh("curves.png")  # a default never replaces a file
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display needed
-        import matplotlib.pyplot as plt
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-    except ImportError:
-        sys.exit("error: plotting needs matplotlib: pip install matplotlib")
-    formats = FigureCanvasAgg.get_supported_filetypes()  # what savefig can write, by extension
-    if os.path.splitext(args.out)[1][1:].lower() not in formats:
-        p.error(f"--out {args.out}: matplotlib writes only {' '.join('.' + f for f in sorted(formats))}")
-    labels = [os.path.basename(os.path.abspath(r if os.path.isdir(r) else os.path.dirname(r))) for r in args.plot]
-    labels = labels if len(set(labels)) == len(labels) else args.plot  # two runs named seed0: full paths
-    try:
-        runs = {label: read_metrics(r) for label, r in zip(labels, args.plot)}
-    except ValueError as e:
-        sys.exit(f"error: {e}")
-    have = sorted(
-        {k for rows in runs.values() for r in rows for k, v in r.items() if k != "step" and isinstance(v, (int, float))}
-    )
-    eval_key = args.eval_key or ("eval/strict_acc" if "eval/strict_acc" in have else None)
-    for flag, key in (("--key", args.key), ("--eval-key", eval_key)):
-        if key is not None and key not in have:
-            sys.exit(f"error: {flag} {key}: no run logged it; the runs have {', '.join(have) or 'no metric'}")
-    fig, axes = plt.subplots(1, 2 if eval_key else 1, figsize=(11 if eval_key else 6, 4), squeeze=False)
-    for name, rows in runs.items():
-        steps, values = series(rows, args.key)
-        (line,) = axes[0][0].plot(steps, running_mean(values, args.smooth), label=name)
-        if eval_key and series(rows, eval_key)[0]:
-            axes[0][1].plot(*series(rows, eval_key), marker="o", color=line.get_color(), label=name)
-    axes[0][0].set(xlabel="step", ylabel=f"{args.key} (running mean, {args.smooth} steps)")
-    if eval_key:
-        axes[0][1].set(xlabel="step", ylabel=f"{eval_key} (held-out)")
-    for ax in axes[0]:
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(args.title or ", ".join(runs))
-    fig.tight_layout()
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        fig.savefig(args.out, dpi=110)
-    except OSError as e:
-        sys.exit(f"error: --out {args.out} cannot be written ({e.strerror or e}); pass another path")
-    print(f"wrote {args.out}")
 
 
 def export(p, args, given):

@@ -18,14 +18,19 @@ from bisect import bisect_left
 from functools import partial
 from itertools import islice
 from operator import itemgetter
+from typing import Annotated
 
 import torch
 
+from config import Knob, bind
 from rewards import answers_match, extract_answer, extract_flexible
 from tasks import (
     ARITH_OPS,
     ARITH_SYSTEM_PROMPT,
+    N_PROBLEMS,
     OPS,
+    OPS_USED,
+    SEED,
     TASKS,
     WEIGHTS,
     Task,
@@ -50,10 +55,10 @@ def _evaluate(a, op1, b, op2, c):  # a op1 b op2 c with the usual precedence: `*
     return OPS[op1](a, b * c) if op2 == "*" and op1 != "*" else OPS[op2](OPS[op1](a, b), c)
 
 
-def load_arith_steps(split, data_dir=None, n=None, ops=ARITH_OPS, seed=0):
+def load_arith_steps(split, data_dir=None, n: N_PROBLEMS = None, ops: OPS_USED = ARITH_OPS, seed: SEED = 0):
     """n distinct problems {"question": "What is 3 + 4 * 2 - 5?", "answer": "6"}: three one-digit operands, two
     operators from `ops`, answers may be negative; 1,000 * len(ops)**2 problems split and n as in load_arith."""
-    n = check_generated(split, ops, n, data_dir)
+    n = check_generated(split, n, data_dir)
     ops = sorted(set(ops))
     space = [(a, o1, b, o2, c) for o1 in ops for o2 in ops for a in range(10) for b in range(10) for c in range(10)]
     return [
@@ -123,16 +128,26 @@ def tool_prompt(example):  # one worked call as earlier turns (HF's tool-call fo
     ]
 
 
-def calculator(tokenizer, *, max_tool_calls=4, max_reply_tokens=64):  # the task's environment (envs.py): a calculator
+# an environment's options (task_options), declared as the flags are
+CALLS = Annotated[int, Knob(">= 0", "tool calls a row may make (a call past them is refused)")]
+REPLY_TOKENS = Annotated[int, Knob(">= 1", "tokens of a reply the model reads at most (its end cut)")]
+
+
+def calculator(tokenizer, *, max_tool_calls: CALLS = 4, max_reply_tokens: REPLY_TOKENS = 64):  # a calculator (envs.py)
     import envs
 
     return envs.ToolEnv([envs.calculator], tokenizer, max_calls=max_tool_calls, max_reply_tokens=max_reply_tokens)
 
 
-def load_mixed(split, data_dir=None, n=None, seed=0):
+def load_mixed(
+    split,
+    data_dir=None,
+    n: Annotated[int | None, Knob(">= 2", "problems in the split, half of each kind (None: 10,000, 200)")] = None,
+    seed: SEED = 0,
+):
     """One-digit products (what the model does alone, "easy") and three-digit ones ("hard"), interleaved (test: 89 of
     each, all there are)."""
-    n = check_generated(split, "*", n, data_dir)
+    n = check_generated(split, n, data_dir)
     easy, hard = (load_arith(split, n=n // 2, digits=d, ops="*", seed=seed) for d in (1, 3))
     if split == "train":  # only ~11 one-digit products are train problems: repeated to half the split
         easy = easy * (len(hard) // len(easy) + 1)
@@ -149,7 +164,12 @@ def retry_check(text, example):  # arith_retry's judge: None for a right answer 
     return WRONG
 
 
-def feedback(tokenizer, *, max_attempts=2, max_reply_tokens=64):  # arith_retry's environment: answers it judges
+def feedback(
+    tokenizer,
+    *,
+    max_attempts: Annotated[int, Knob(">= 1", "answers a row may give, the feedback between them")] = 2,
+    max_reply_tokens: REPLY_TOKENS = 64,
+):  # arith_retry's environment: answers it judges
     import envs
 
     return envs.EnvDriver(partial(envs.FeedbackEnv, retry_check, max_attempts), tokenizer, max_reply_tokens)
@@ -204,7 +224,7 @@ def python_prompt(example):  # one worked call as earlier turns, as tool_prompt'
     ]
 
 
-def python_tool(tokenizer, *, max_tool_calls=4, max_reply_tokens=64):  # the sandboxed interpreter, as confined
+def python_tool(tokenizer, *, max_tool_calls: CALLS = 4, max_reply_tokens: REPLY_TOKENS = 64):  # a sandboxed python
     import envs
     import sandbox
 
@@ -310,7 +330,7 @@ def load_rg(name, sources, weights, test_n, split, data_dir=None, n=None):
     where a mix's train split repeats or a test split holds fewer than n or other proportions than the weights'."""
     if n is None and split == "test":
         n = test_n
-    n = check_generated(split, n=n, data_dir=data_dir)
+    n = check_generated(split, n, data_dir)
     repeat = split == "train" and len(sources) > 1
     draws = {k: rg_draw(source, split) for k, source in sources.items()}
     pools, ran_out = {k: [] for k in sources}, {}  # ran_out: the sources short of their share, their questions
@@ -349,9 +369,9 @@ def load_rg(name, sources, weights, test_n, split, data_dir=None, n=None):
     return [ex for _, ex in sorted(examples, key=itemgetter(0))]
 
 
-def rg_dataset(names, options):
+def rg_dataset(names, options, seed):
     """The reasoning-gym dataset of `names` (one, or a mix: options[name] its config and "weight", default 1) with
-    RG_DRAWS items from options' "seed" (0); ValueError in one line for a missing library, name or config field."""
+    RG_DRAWS items from `seed`; ValueError in one line for a missing library, name or config field."""
     try:
         import reasoning_gym
     except ImportError as e:
@@ -364,7 +384,6 @@ def rg_dataset(names, options):
                 f"unknown reasoning-gym dataset {name!r}; pass rg:NAME, NAME one of reasoning_gym.factory.DATASETS "
                 f"({len(known)}), e.g. {', '.join(near)}"
             )
-    seed = options.get("seed", 0)
     fields = {k: v for k, v in options.items() if k not in ("seed", "size")}
     try:
         if len(names) == 1:
@@ -384,18 +403,22 @@ def rg_dataset(names, options):
         raise ValueError(f"task_options for rg:{'+'.join(names)}: {e}; the config fields are {hint}") from None
 
 
+def rg_options(seed: SEED = 0, size: Annotated[int, Knob(">= 1", "questions in the test split")] = 200):
+    """An rg: task's own options, declared as the flags are; the others are its dataset's config (reasoning-gym's)."""
+    return seed, size
+
+
 def rg_task(name, options):
     """rg:NAME or rg:A+B (a mix) as a Task: the dataset's questions, RG_PROMPT, its score_answer as the reward."""
-    for key in ("seed", "size"):
-        if key in options and (type(options[key]) is not int or options[key] < (key == "size")):
-            raise ValueError(f"task_options {key!r} must be an integer >= {int(key == 'size')}, got {options[key]!r}")
+    own = bind([rg_options], {k: v for k, v in options.items() if k in ("seed", "size")}, f"task {name}")
+    seed, size = rg_options(**own[rg_options])
     names = name.removeprefix("rg:").split("+")
-    dataset = rg_dataset(names, options)
+    dataset = rg_dataset(names, options, seed)
     sources, weights = {names[0]: dataset}, {names[0]: 1}
     if len(names) > 1:  # a CompositeDataset: one dataset per source (seed + i + 1), drawn apart to hold the weights
         sources, weights = dataset.datasets, dict(zip(dataset.dataset_names, dataset.weights))
     return Task(
-        partial(load_rg, name, sources, weights, options.get("size", 200)),  # "size": the test split's
+        partial(load_rg, name, sources, weights, size),
         partial(chat_prompt, RG_PROMPT),
         {"correct": partial(rg_correct, dataset), "format": rg_format},
         dict(WEIGHTS),
@@ -404,12 +427,16 @@ def rg_task(name, options):
 
 
 def get(name, options=None):
-    """The task called `name` with its options (an rg: task's: its dataset's config; else tasks.with_options');
-    ValueError in one line naming every task when there is none."""
+    """Any task, tasks.py's, this file's or rg:NAME, with its options checked (an rg: task's: seed, size and its
+    dataset's config); ValueError in one line naming every task when there is none."""
     if name.startswith("rg:"):
         return rg_task(name, options or {})
-    if name not in EXTRA:
+    if name == "jsonl":  # your own data (file_task.py): imported only when named
+        import file_task
+
+        return file_task.task(options or {})
+    if name not in {**TASKS, **EXTRA}:
         raise ValueError(
-            f"unknown task {name!r}; tasks: {', '.join(sorted({**TASKS, **EXTRA}))}, rg:NAME (reasoning-gym)"
+            f"unknown task {name!r}; tasks: {', '.join(sorted({**TASKS, **EXTRA}))}, jsonl, rg:NAME (reasoning-gym)"
         )
-    return with_options(EXTRA[name], name, options or {})
+    return with_options({**TASKS, **EXTRA}[name], name, options or {})

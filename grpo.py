@@ -1,12 +1,13 @@
-"""The GRPO objective (DeepSeekMath, https://arxiv.org/abs/2402.03300 §4.1) as pure tensor functions (no model calls,
-no I/O; loss = -objective) plus Objective, the loss's options. Every choice a flag offers is a plain dict of name ->
-small function here (ADVANTAGES, KL_ESTIMATORS, SURROGATES, AGGREGATIONS, IMPORTANCE_LEVELS, BEHAVIOUR_MODES): a fork
-adds an entry, and the flag offers it. Each variant cites its source; README lists the departures from the paper.
-N rows, contiguous groups of G (prompt i owns rows i*G ... i*G+G-1), T completion tokens; mask (N, T) True if valid."""
+"""The GRPO objective (DeepSeekMath, arXiv 2402.03300 §4.1) as pure tensor functions, loss = -objective, and Objective,
+its options. A flag's choices are a dict of name -> small function: a fork adds an entry; README lists the departures. N
+rows, contiguous groups of G (prompt i owns rows i*G ... i*G+G-1), T completion tokens; mask (N, T) True if valid."""
 
 from dataclasses import dataclass
+from typing import Annotated
 
 import torch
+
+from config import Knob, declared, flag, problem, where
 
 
 def _check(ok, message):
@@ -43,23 +44,20 @@ def _max(x, mask):  # as _mean; the min is -_max(-x, mask)
 
 # --- advantages
 def informative_groups(rewards, group_size):
-    """DAPO dynamic sampling (https://arxiv.org/abs/2503.14476 §3.2, eq. 11): group g is informative iff some
-    r_gi != r_g0; a flat group gets zero advantages, so no gradient. rewards (N,) -> bool (N/G,)"""
+    """DAPO (arXiv 2503.14476 §3.2, eq. 11): group g is informative iff some r_gi != r_g0. (N,) -> bool (N/G,)"""
     _check(rewards.dim() == 1, f"rewards must have shape (N,), got {tuple(rewards.shape)}")
     _check_groups(rewards.shape[0], group_size)
     r = rewards.view(-1, group_size)  # (N/G, G)
     return (r != r[:, :1]).any(1)  # (N/G,); exact, not std == 0: the float mean of equal values need not equal them
 
 
-def pick_groups(rewards, group_size, count):
-    """DAPO dynamic sampling (https://arxiv.org/abs/2503.14476 §3.2): the first `count` informative groups, topped up
-    with the last flat ones (the caller masks them). rewards (N,), in sampling order -> sorted group indices (count,)"""
-    informative = informative_groups(rewards, group_size)  # (N/G,)
+def pick_groups(informative, count):
+    """DAPO dynamic sampling (arXiv 2503.14476 §3.2): the first `count` informative groups, topped up with the last flat
+    ones (the caller masks them). informative (groups,) bool, in sampling order -> sorted group indices (count,)"""
     return torch.cat([informative.nonzero(), (~informative).nonzero().flip(0)])[:count, 0].sort().values
 
 
-# --scale-rewards: fn(the group's rewards (N/G, G), eps) -> advantages (N/G, G); group_advantages zeroes a flat group
-ADVANTAGES = {
+ADVANTAGES = {  # --scale-rewards: fn(a group's rewards (N/G, G), eps) -> advantages (N/G, G)
     "group": lambda r, eps: (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps),  # unbiased (§4.1.2, TRL)
     "batch": lambda r, eps: (r - r.mean(1, keepdim=True)) / (r.std() + eps),  # all N's std (Lite PPO, 2508.08221)
     "none": lambda r, eps: r - r.mean(1, keepdim=True),  # no division (Dr. GRPO, arXiv 2503.20783 §3.1)
@@ -67,8 +65,7 @@ ADVANTAGES = {
 
 
 def group_advantages(rewards, group_size, scale="group", eps=1e-4):
-    """Outcome supervision (DeepSeekMath §4.1.2): each reward against its group's by ADVANTAGES[scale]; a flat group
-    gets exactly 0 whatever the entry computes. rewards (N,) -> (A (N,), the fraction of flat groups 0-dim)
+    """Outcome supervision (§4.1.2): ADVANTAGES[scale], a flat group exactly 0. rewards (N,) -> (A (N,), the flat share)
     >>> adv, frac = group_advantages(torch.tensor([-2., -2, -5, 0, -5, -1, -1, -3]), 4)
     >>> [round(a, 2) for a in adv.tolist()], frac.item()
     ([0.12, 0.12, -1.33, 1.09, -1.31, 0.78, 0.78, -0.26], 0.0)"""
@@ -148,19 +145,22 @@ def k3(x):  # e^x - x - 1 >= 0: expm1, as exp(x) - 1 can round below x
     return torch.expm1(x) - x
 
 
-# --kl-estimator: fn(x = ref_logp - logp, tokens sampled from pi) -> per-token KL(pi || pi_ref) (N, T)
-# (joschu.net/blog/kl-approx.html); the flag's other choice, "full", is exact from the logits (full_kl, by the head)
+def from_logits(x):  # "full": exact, summed over the vocabulary by full_kl at the head; no estimate of x gives it
+    raise ValueError("kl_estimator='full' needs logits: pass kl=full_kl(logits, ref_logits) to grpo_loss")
+
+
+# --kl-estimator: fn(x = ref_logp - logp, tokens from pi) -> per-token KL(pi || pi_ref) (joschu.net/blog/kl-approx.html)
 KL_ESTIMATORS = {
     "k1": lambda x: -x,  # unbiased, can be negative
     "k2": lambda x: 0.5 * x.pow(2),  # biased, low variance
     "k3": k3,  # unbiased, >= 0 (DeepSeekMath eq. 4)
     "k3_clamped": lambda x: k3(x.clamp(-20, 20)).clamp(max=10),  # verl's low_var_kl: k3 for -11 < x < 2.61, no overflow
+    "full": from_logits,
 }
 
 
 def kl_estimate(logp, ref_logp, estimator="k3_clamped"):
     """Per-token KL(pi || pi_ref) by KL_ESTIMATORS[estimator] of x = ref_logp - logp. (N, T) each -> (N, T)"""
-    _check(estimator != "full", "kl_estimator='full' needs logits: pass kl=full_kl(logits, ref_logits) to grpo_loss")
     _check_choice("--kl-estimator", estimator, KL_ESTIMATORS)
     return KL_ESTIMATORS[estimator](_up(ref_logp) - _up(logp))
 
@@ -175,11 +175,10 @@ BEHAVIOUR_MODES = {  # --is-mode: fn(w = pi_train / pi_sample (N, T), per token 
 
 
 def behaviour_weights(train_logp, sample_logp, mask, mode="token_truncate", cap=2.0):
-    """Sampler/trainer mismatch (TIS, https://fengyao.notion.site/off-policy-rl; TRL vllm_importance_sampling_mode): the
-    policy term times BEHAVIOUR_MODES[mode] of exp(d_t), d_t = train_logp_t - sample_logp_t (sequence_* modes:
-    exp(sum_t m_t d_t) on the row). A NaN stays NaN (TRL PR #6693 zeroes it): our sampler scores every token.
-    train_logp, sample_logp, mask (N, T) -> (w (N, T) detached, 1 at padding; metrics, detached 0-dim: is_capped
-    (fraction of valid tokens whose weight is not their ratio), dlogp_mean, dlogp_p99, dlogp_max of |d_t|)"""
+    """Sampler/trainer mismatch (TIS, https://fengyao.notion.site/off-policy-rl; TRL vllm_importance_sampling_mode): w =
+    BEHAVIOUR_MODES[mode] of exp(d_t), d_t = train_logp_t - sample_logp_t (sequence_*: exp(sum_t m_t d_t), the row's). A
+    NaN stays NaN: the sampler scores every token, so it is a bug. (N, T) each -> (w (N, T), 1 at padding; 0-dim
+    metrics: is_capped, the share of valid tokens whose w is not their ratio, dlogp_mean/p99/max of |d_t|), detached"""
     _check_choice("--is-mode", mode, BEHAVIOUR_MODES)
     _check_shape(train_logp.shape, sample_logp=sample_logp, mask=mask)
     mask = mask.bool()
@@ -198,9 +197,8 @@ def behaviour_weights(train_logp, sample_logp, mask, mode="token_truncate", cap=
 
 
 def full_kl(logits, ref_logits, mask=None):
-    """Exact per-token KL(pi || pi_ref) = sum_v pi(v) (log pi(v) - log pi_ref(v)) in fp32; the caller bounds memory
-    (rollout.head_logprobs passes a chunk of rows). A token both give probability 0 (a -inf logit) adds 0. logits,
-    ref_logits (N, T, V), mask (N, T) or None -> (N, T)"""
+    """Exact per-token KL(pi || pi_ref) = sum_v pi(v) (log pi(v) - log pi_ref(v)) in fp32; a token both give p = 0 adds
+    0. The caller bounds memory (a chunk). logits, ref_logits (N, T, V), mask (N, T) or None -> (N, T)"""
     _check_shape(logits.shape, ref_logits=ref_logits)
     logq, logq_ref = _up(logits).log_softmax(-1), _up(ref_logits).log_softmax(-1)  # (N, T, V)
     kl = torch.where(logq > -torch.inf, logq.exp() * (logq - logq_ref), 0.0).sum(-1)  # (N, T)
@@ -220,16 +218,14 @@ def top_entropy_mask(entropy, mask, quantile):
     return mask & (h >= threshold)
 
 
-# --- aggregation and the full loss. fn(l (N, T), 0 at padding, mask, num_sequences, num_tokens, max_new_tokens) ->
-# 0-dim; num_sequences, num_tokens: the whole batch's, so micro-batches sum to its loss (not bnpo: a token mean each)
+# --- aggregation and the loss: fn(l (N, T), 0 at padding, mask, num_sequences, num_tokens, max_new_tokens) -> 0-dim
 AGGREGATIONS = {
     "grpo": lambda x, m, n_seq, n_tok, L: (x.sum(1) / m.sum(1).clamp(min=1)).sum() / n_seq,  # eq. 3: mean over o_i
     "bnpo": lambda x, m, n_seq, n_tok, L: x.sum() / m.sum().clamp(min=1) * (m.size(0) / n_seq),  # TRL's
     "dr_grpo": lambda x, m, n_seq, n_tok, L: x.sum() / (n_seq * L),  # Dr. GRPO, arXiv 2503.20783 §3.2
     "dapo": lambda x, m, n_seq, n_tok, L: x.sum() / torch.as_tensor(n_tok).clamp(min=1),  # DAPO eq. 8; CISPO eq. 4
 }
-# --loss-type, TRL's names: (surrogate, aggregation); the config key aggregation pairs the surrogate with another
-LOSS_TYPES = {
+LOSS_TYPES = {  # --loss-type, TRL's names: (surrogate, aggregation); config key aggregation pairs another with it
     "grpo": ("clip", "grpo"),
     "bnpo": ("clip", "bnpo"),
     "dr_grpo": ("clip", "dr_grpo"),
@@ -240,8 +236,8 @@ LOSS_TYPES = {
 
 
 def aggregate(per_token, mask, aggregation="grpo", *, num_sequences=None, num_tokens=None, max_new_tokens=None):
-    """Per-token loss l (N, T) -> 0-dim by AGGREGATIONS[aggregation]. A call may be a micro-batch of a batch of
-    num_sequences rows and num_tokens valid tokens (default: this call's); max_new_tokens: the budget (default T)."""
+    """Per-token loss l (N, T) -> 0-dim by AGGREGATIONS[aggregation]. num_sequences, num_tokens: the whole batch's
+    (default: this call's), so micro-batches sum to its loss (not bnpo's); max_new_tokens: the budget (default T)."""
     _check_choice("aggregation", aggregation, AGGREGATIONS)
     _check_shape(per_token.shape, mask=mask)
     N, T = per_token.shape
@@ -255,41 +251,33 @@ def aggregate(per_token, mask, aggregation="grpo", *, num_sequences=None, num_to
 
 @dataclass(frozen=True)
 class Objective:
-    """grpo_loss's options. Each field is train.py's flag of that name, or else a config key of it (checked, saved in
-    run.json, resumed): a fork's new option is one field here. eps_high=None becomes eps, aggregation=None the
-    --loss-type's. Choices and cross-field checks here, each flag's range in train.py's check."""
+    """The GRPO objective (grpo.py): grpo_loss's options. eps_high None is eps, aggregation None the --loss-type's."""
 
-    beta: float = 0.04
-    kl_estimator: str = "k3_clamped"
-    loss_type: str = "grpo"
-    eps: float = 0.2
-    eps_high: float | None = None
-    delta: float | None = None
-    importance_level: str = "token"
-    entropy_coef: float = 0.0
-    top_entropy_quantile: float = 1.0
-    max_new_tokens: int | None = None  # dr_grpo's divisor
-    is_mode: str = "token_truncate"
-    is_cap: float = 2.0  # --is-mode's C (TIS: 2)
-    aggregation: str | None = None  # pairs --loss-type's surrogate with another AGGREGATIONS entry
-    cispo_cap: float = 5.0  # TRL reads epsilon_high (default eps) for it; 5: its docs' advice (ScaleRL's eps_max)
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
+    beta: Annotated[float, flag(">= 0", "KL coefficient; 0 = no reference model")] = 0.04
+    kl_estimator: Annotated[str, flag(KL_ESTIMATORS, "full: exact, from the logits")] = "k3_clamped"
+    loss_type: Annotated[str, flag(LOSS_TYPES, "the surrogate and its aggregation")] = "grpo"
+    eps: Annotated[float, flag("[0, 1)", "clip epsilon (low)")] = 0.2
+    eps_high: Annotated[float | None, flag(">= 0", "clip-higher (DAPO); None = --eps")] = None
+    delta: Annotated[float | None, flag("> 1", "cap on the ratio (INTELLECT-2 two-sided clip)")] = None
+    importance_level: Annotated[str, flag(IMPORTANCE_LEVELS, "sequence = GSPO")] = "token"
+    entropy_coef: Annotated[float, flag(">= 0", "entropy bonus")] = 0.0
+    top_entropy_quantile: Annotated[float, flag("(0, 1]", "train only the top-rho entropy tokens")] = 1.0
+    is_mode: Annotated[str, flag(BEHAVIOUR_MODES, "pi_train / pi_sample")] = "token_truncate"
+    is_cap: Annotated[float, Knob("> 0", "--is-mode's C (TIS: 2)")] = 2.0
+    aggregation: Annotated[str | None, Knob(AGGREGATIONS, "pairs --loss-type's surrogate with another one")] = None
+    cispo_cap: Annotated[float, Knob(">= 1", "CISPO's cap (TRL's docs: 5, as ScaleRL's eps_max)")] = 5.0
+    sapo_temperature_pos: Annotated[float, Knob("> 0", "SAPO's tau for A > 0")] = 1.0
+    sapo_temperature_neg: Annotated[float, Knob("> 0", "SAPO's tau for A < 0")] = 1.05
+    max_new_tokens: int | None = None  # dr_grpo's divisor: train.py's --max-new-tokens
 
     def __post_init__(self):
-        _check_choice("--kl-estimator", self.kl_estimator, [*KL_ESTIMATORS, "full"])
-        _check_choice("--loss-type", self.loss_type, LOSS_TYPES)
-        _check_choice("--importance-level", self.importance_level, IMPORTANCE_LEVELS)
-        _check_choice("--is-mode", self.is_mode, BEHAVIOUR_MODES)
+        for decl in declared(Objective).values():  # a direct caller's values meet the checks a flag's meet
+            _check(not (why := problem(decl, getattr(self, decl.name), where(decl))), why)
         eh = self.eps if self.eps_high is None else self.eps_high
         object.__setattr__(self, "eps_high", eh)  # frozen: resolved once, here; the checks below fail on NaN too
         object.__setattr__(self, "aggregation", self.aggregation or LOSS_TYPES[self.loss_type][1])
-        _check_choice("aggregation", self.aggregation, AGGREGATIONS)
         _check(eh >= self.eps, f"--eps-high {eh} < --eps {self.eps}: clip-higher needs eps_high >= eps")
         _check(self.delta is None or self.delta > 1 + eh, f"--delta {self.delta} must be > 1 + eps_high = {1 + eh}")
-        _check(self.cispo_cap >= 1, f"cispo_cap must be >= 1, got {self.cispo_cap}")
-        _check(self.is_cap > 0, f"is_cap must be > 0, got {self.is_cap}")
-        _check(min(self.sapo_temperature_pos, self.sapo_temperature_neg) > 0, "sapo_temperature_pos/_neg must be > 0")
         _check(
             self.surrogate == "clip" or (self.delta is None and eh == self.eps),  # TRL ignores them
             f"--loss-type {self.loss_type} does not clip: drop --delta and --eps-high (cispo's bound is cispo_cap)",
@@ -302,25 +290,23 @@ class Objective:
 
 def grpo_loss(
     logp,
+    *,
     old_logp,
     ref_logp,
     advantages,
     mask,
     obj,
-    *,
     entropy=None,
     kl=None,
     sample_logp=None,
     num_sequences=None,
     num_tokens=None,
 ):
-    """DeepSeekMath eq. 3 with obj's variants, per token, then aggregate(l, mask, obj.aggregation, ...):
-        l_t = -S_t e_t w_t + beta KL_t - entropy_coef H_t, S_t = SURROGATES[obj.surrogate] (the clip: min(min(rho,
-    delta) A, clip(rho, 1-eps, 1+eps_high) A)); e_t (top_entropy_mask) and w_t (behaviour_weights of old_logp against
-    sample_logp by obj.is_mode, detached; 1 without sample_logp) scale the policy term only, as TRL. (N, T) each: logp,
-    old_logp (None: logp.detach(), mu=1), ref_logp, or kl (full_kl's, with grad) if kl_estimator="full", entropy,
-    sample_logp; advantages (N,) or (N, T) -> (loss, metrics: detached 0-dim, over valid tokens: clip_low, clip_high,
-    clip (cispo: rho > cispo_cap with A > 0, as TRL), kl, kl_max, entropy, is_capped, ratio_mean/min/max)"""
+    """DeepSeekMath eq. 3: l_t = -S_t e_t w_t + beta KL_t - entropy_coef H_t (as TRL), aggregated by obj.aggregation:
+    S_t = SURROGATES[obj.surrogate], e_t = top_entropy_mask, w_t = behaviour_weights(old_logp, sample_logp) or 1. (N, T)
+    each: logp, old_logp (None: logp.detach(), mu=1), ref_logp or kl (kl_estimator="full": full_kl's, with grad),
+    entropy, sample_logp; advantages (N,) or (N, T) -> (loss, detached 0-dim metrics over valid tokens: clip_low/high,
+    clip (cispo: rho > cispo_cap, A > 0, as TRL), kl, kl_max, entropy, is_capped, ratio_mean/min/max)"""
     _check(logp.dim() == 2, f"logp must have shape (N, T), got {tuple(logp.shape)}")
     N, T = logp.shape
     _check_shape((N, T) if advantages.dim() == 2 else (N,), advantages=advantages)

@@ -9,7 +9,7 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
-from tasks import DataError, check_generated
+from config import DataError
 
 GSM8K_URL = "https://raw.githubusercontent.com/openai/grade-school-math/master/grade_school_math/data/{split}.jsonl"
 GSM8K_SHA256 = {
@@ -50,7 +50,8 @@ GSM8K_HINT = "pass --data-dir DIR or set GSM8K_DIR=DIR to a directory holding tr
 def load(split, data_dir=None):
     """GSM8K examples {"question", "answer" (gold number), "solution"} from data_dir, else $GSM8K_DIR (read as
     is: an edited copy works), else the cache (downloaded on first use, checked by sha256)."""
-    check_generated(split)
+    if split not in ("train", "test"):
+        raise ValueError(f"unknown split {split!r}; valid splits: ['train', 'test']")
     data_dir = data_dir or os.environ.get("GSM8K_DIR")
     cache = Path(os.environ.get("GRPO_CACHE") or "~/.cache/grpo-mini").expanduser() / "gsm8k"
     path = (Path(data_dir).expanduser() if data_dir else cache) / f"{split}.jsonl"

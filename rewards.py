@@ -1,8 +1,6 @@
-r"""Scoring: answer extraction, reward fns `fn(completions, **fields) -> list[float]` (one finite number per
-completion; fields are per-completion lists, e.g. answer=[...], num_tokens=[...], taken by name, `**_` the rest),
-REWARDS (any task switches any of them on with a weight), and their weighted sum. Extraction as lm-eval-harness gsm8k
-strict-match (lm_eval/tasks/gsm8k/gsm8k.yaml) and flexible-extract, and Qwen2.5-Math's last `\boxed{...}`
-(QwenLM/Qwen2.5-Math evaluation/parser.py):
+r"""Scoring: reward fns `fn(completions, **fields) -> list[float]` (a finite number per completion; fields by name, a
+list each, `**_` the rest), REWARDS, their weighted sum, and answer extraction as lm-eval-harness gsm8k strict-match and
+flexible-extract (lm_eval/tasks/gsm8k/gsm8k.yaml), Qwen2.5-Math's last `\boxed{...}` (evaluation/parser.py):
 >>> text = "4 + 4 = 8\n#### 8\nQuestion: ...\n#### 2, \\boxed{\\frac{3}{4}}: she pays $1,200.50"
 >>> extract_strict(text), extract_boxed(text), extract_flexible(text), answers_match("$1,000.", "1000")
 ('8', '\\frac{3}{4}', '$1,200.50', True)"""
@@ -94,14 +92,13 @@ REWARDS = {"correct": correctness_reward, "format": format_reward, "tool": tool_
 
 
 def overlong_reward(max_len, buffer):
-    """DAPO's soft overlong punishment (arXiv 2503.14476, eq. 13) as a reward fn: with L = max_len, B = buffer,
-    |y| = num_tokens (stop token included), R = 0 if |y| <= L - B, (L - B - |y|) / B if |y| <= L, else -1.
+    """DAPO's overlong penalty (arXiv 2503.14476, eq. 13): R = 0 if |y| <= L - B, (L - B - |y|) / B if |y| <= L, else -1
     >>> overlong_reward(48, 16)(["a"] * 4, num_tokens=[32, 33, 40, 49])
     [0.0, -0.0625, -0.5, -1.0]"""
     if max_len < 1 or not 0 < buffer <= max_len:
         raise ValueError(f"overlong reward needs max_len >= 1 and 0 < buffer <= max_len, got {max_len=}, {buffer=}")
 
-    def overlong(completions, num_tokens, **_):  # (L - B - |y|) / B, between 0 and -1, then -1 past L
+    def overlong(completions, num_tokens, **_):  # L = max_len, B = buffer, |y| = num_tokens (stop token included)
         return [min(0.0, (max_len - buffer - n) / buffer) if n <= max_len else -1.0 for n in num_tokens]
 
     return overlong
@@ -159,9 +156,8 @@ def _number(v):  # v as a finite float, or None: real numbers only (a str, a lis
 
 
 def combine_rewards(reward_fns, weights, completions, **fields):
-    """total[i] = sum_k weights[k] * reward_fns[k](completions, **fields)[i] -> (total, per_fn: each fn's values); each
-    fn needs a weight (0.0 only logs it). A fn that raises or returns anything but N finite real numbers (list, tuple,
-    1-D tensor/array) is a RewardError naming it: a nan, a dict's keys, a str's characters would train silently."""
+    """total[i] = sum_k weights[k] * reward_fns[k](completions, **fields)[i] -> (total, per_fn). A fn that raises, or
+    gives other than N finite reals (list, tuple, 1-D array), is a RewardError: a nan would train silently."""
     if set(weights) != set(reward_fns):
         raise ValueError(
             f"weights for {sorted(weights)}, reward fns {sorted(reward_fns)}; give each fn a weight (0.0 only logs it)"

@@ -1,13 +1,12 @@
-"""Sampling G completions per prompt, and teacher-forced log-probs of the sampled tokens, through the model's own
-modules (`model(...)` and its KV cache; its decoder and `lm_head`): a fork's LoRA, hook or swapped layer is what runs.
-Rows are grouped contiguously (prompt i owns rows i*G ... i*G+G-1); prompts left-padded, completions right-padded;
-position_ids = cumsum(attention_mask) - 1; completion_mask runs up to AND including the first stop token, found by
-position, never from pad_token_id (SmolLM2's pad is its EOS: the model would never learn to stop)."""
+"""Sampling G completions per prompt, and teacher-forced log-probs, through the model's own `model(...)`, KV cache,
+decoder and `lm_head`: a fork's LoRA, hook or swapped layer is what runs. completion_mask runs to AND including the
+first stop token, found by position, never by pad_token_id (SmolLM2's pad is its EOS: it would never learn to stop)."""
 
 import importlib
 import inspect
 from contextlib import nullcontext
 from dataclasses import dataclass, fields
+from typing import Annotated, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
 import grpo
+from config import flag
 
 
 ROW_FIELDS = ("num_tokens", "own_tokens", "truncated", "trajectory")  # Rollout.reward_fields beside the example's
@@ -35,6 +35,7 @@ class Rollout:
     env_state: list = None  # N dicts: each row's environment's state() (numbers: reward fields, env/ metrics)
     examples: list = None  # N dicts: the example each row answers
     rewards: torch.Tensor = None  # (N, K) each reward fn's value for each row (train.py's collect fills it)
+    reward: torch.Tensor = None  # (N,) their weighted sum, the reward that trains
 
     def __post_init__(self):  # without an environment the trajectory is the completion, and there is no state
         self.trajectories = self.completions if self.trajectories is None else self.trajectories
@@ -64,9 +65,8 @@ class Rollout:
 
 
 def encode_prompts(tokenizer, prompts, env=None):
-    """Prompts (chat messages or strings) -> token-id lists; without a chat template messages join by newlines.
-    env (envs.EnvDriver): its environment shown as the template can show it (a ToolEnv's tools). Control tokens are
-    the template's own: one's string in a message (a data file's, an environment's) is tokenized as text."""
+    """Prompts (messages or strings) -> token-id lists (no chat template: joined by newlines); env (envs.EnvDriver): its
+    tools as the template shows them. A control token's string in a message is tokenized as text."""
     specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
     out = []
     for p in prompts:
@@ -86,8 +86,7 @@ def encode_prompts(tokenizer, prompts, env=None):
     return out
 
 
-def left_pad(seqs, pad_id):
-    """List of id lists -> (ids (B, P), mask (B, P)) with padding on the left."""
+def left_pad(seqs, pad_id):  # id lists -> (ids (B, P), mask (B, P)), padded on the left
     P = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), P), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), P), dtype=torch.long)
@@ -97,8 +96,7 @@ def left_pad(seqs, pad_id):
     return ids, mask
 
 
-def stop_token_ids(tokenizer, model):
-    """The tokenizer's eos plus every id in generation_config.eos_token_id (Qwen lists two)."""
+def stop_token_ids(tokenizer, model):  # the tokenizer's eos and generation_config.eos_token_id's (Qwen lists two)
     ids = {tokenizer.eos_token_id}
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids.update(eos if isinstance(eos, (list, tuple)) else [eos])
@@ -146,7 +144,9 @@ def decode_dynamic(model, cache, logits, mask, u, *, sampler, stop, pad_id, env,
 
 @dataclass(frozen=True)
 class Sampler:  # the sampler draws from logits(z), the trainer scores under it: they agree by construction
-    temperature: float = 1.0  # 0: greedy. A field is train.py's flag of its name, else a config key (top_k: a fork)
+    """Sampling (rollout.Sampler): a field with a Knob is a knob of train.py, as grpo.Objective's."""
+
+    temperature: Annotated[float, flag("> 0", "sampling temperature (0: greedy, for eval.py)")] = 1.0
 
     def logits(self, z):  # raw logits (..., V) -> the sampled distribution's, fp32; log_softmax: its log-probs
         z = z.float()
@@ -156,13 +156,12 @@ class Sampler:  # the sampler draws from logits(z), the trainer scores under it:
 
 
 def sample_from_logits(logits, u):
-    """One token per row by inverse CDF from one uniform u (N,) in [0, 1): one random number per row, not
-    per vocabulary entry as torch.multinomial. A -inf token has an empty CDF interval: never drawn."""
+    """Inverse CDF: one token per row from one uniform u (N,) in [0, 1), not V as multinomial; -inf: never drawn."""
     cdf = logits.softmax(-1).cumsum(-1)  # (N, V)
     return torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp(max=cdf.size(-1) - 1).squeeze(1)
 
 
-def _cache_kwarg(module, cache):  # transformers 5.24 renamed past_key_values (which warns there) to cache
+def _cache_kwarg(module, cache):  # the KV cache argument by the name the model takes: cache, else past_key_values
     for inner in module.modules():  # a wrapper whose forward takes **kwargs (peft) names it from the model inside
         names = inspect.signature(inner.forward).parameters
         if "cache" in names:
@@ -179,8 +178,7 @@ class _Cache(DynamicCache):  # keys and values in autocast's dtype, which attent
         return super().update(key_states.to(dtype), value_states.to(dtype), *args, **kwargs)
 
 
-def _autocast(model, dtype):
-    """Autocast to `dtype` when it is lower than the weights' (fp32 master weights, bf16 compute)."""
+def _autocast(model, dtype):  # to `dtype` when lower than the weights' (fp32 master weights, bf16 compute)
     p = next(model.parameters())
     return torch.autocast(p.device.type, dtype=dtype, enabled=dtype not in (None, p.dtype, torch.float32))
 
@@ -206,12 +204,10 @@ def sample(
     examples=None,
     loop=decode_dynamic,  # the decode loop: on CUDA the caller may pass decode.py's captured one
 ):
-    """`group_size` completions per prompt, drawn from sampler.logits, through `model(...)` and its KV cache: a prompt
-    prefilled once, its cache repeated G times; the rows decode together to a stop token or max_new_tokens. generator:
-    one, or one per prompt (its completions then depend on no neighbour). max_prompt_tokens: a prompt keeps its last.
-    env (envs.EnvDriver, with the prompts' examples): one environment per row; a row it answers is fed the reply, one
-    token a step, and decodes on; a row waiting on it is a hole (masked out, no position, no budget, no uniform),
-    dropped from the Rollout: a row's tokens do not depend on how long its environment took."""
+    """`group_size` completions per prompt: a prompt prefilled once, its KV cache repeated G times, the rows decoded
+    together to a stop token or max_new_tokens (max_prompt_tokens: a prompt keeps its last). generator: one, or one per
+    prompt (then no neighbour matters). env (envs.EnvDriver): an environment per row; a row it answers is fed the reply
+    a token a step; a waiting row is a hole (no mask, position, budget, uniform), dropped: a wait changes no token."""
     if group_size < 1 or max_new_tokens < 1 or not sampler.temperature >= 0:
         raise ValueError(
             f"need G, max_new_tokens >= 1, temperature >= 0: {group_size, max_new_tokens, sampler.temperature}"
@@ -266,8 +262,7 @@ def sample(
     )
 
 
-def concat(rollouts):
-    """Rollouts of different widths -> one: prompts re-padded left, completions right (masked, log-prob 0)."""
+def concat(rollouts):  # -> one Rollout: prompts re-padded left, completions right (masked, log-prob 0)
     out = {}
     for name in [f.name for f in fields(Rollout)]:
         parts = [getattr(r, name) for r in rollouts]  # (n_i, w_i) or (n_i,) or lists
@@ -286,8 +281,7 @@ def concat(rollouts):
 
 @torch.no_grad()
 def batch_logprobs(model, r, micro_batch, *, sampler=Sampler(), share=True, dtype=None, hidden=False):
-    """No-grad log-probs (N, C) of a Rollout's tokens under `model` on its device, micro-batch by micro-batch; only
-    results travel to the rollout's device. hidden: the final hidden states, (rows, c, H) a micro-batch (full KL)."""
+    """No-grad log-probs (N, C) of a Rollout's tokens by micro-batch; hidden: final hidden states (rows, c, H) each."""
     device = r.completion_ids.device
     out = [] if hidden else torch.zeros(r.completion_ids.shape, device=device)  # (N, C)
     with _autocast(model, dtype):
@@ -299,10 +293,21 @@ def batch_logprobs(model, r, micro_batch, *, sampler=Sampler(), share=True, dtyp
     return out
 
 
+class RefStates(NamedTuple):  # the exact KL's reference: what its head makes its logits from
+    head: torch.nn.Module  # its lm_head
+    hidden: torch.Tensor  # its final hidden states at the rows' positions
+
+
+class MicroBatch(NamedTuple):
+    rows: slice  # the Rollout's rows
+    ids: torch.Tensor  # (rows, w) input ids, without the columns no row of it uses
+    mask: torch.Tensor  # (rows, w) their attention mask
+    c: int  # the completion columns kept
+    sizes: tuple  # (real targets, distinct prompts): its passes read nothing from the device
+
+
 def micro_batches(r, size):
-    """(rows, input_ids, attention_mask, c, sizes) for each slice of `size` rows of a Rollout, without the columns no
-    row of it uses (cumsum positions do not change); c: the completion columns kept; sizes: its real targets and
-    distinct prompts, so that its passes read nothing from the device (every slice's bounds and sizes: one read)."""
+    """A MicroBatch per `size` rows of a Rollout, unused columns cut (cumsum positions keep); all in one device read."""
     mask, P = r.attention_mask, r.prompt_ids.size(1)  # (N, P+C)
     new = _new_prompts(r.prompt_ids, r.prompt_mask)  # (N,)
     cols = torch.arange(mask.size(1), device=mask.device)  # (P+C,)
@@ -313,15 +318,14 @@ def micro_batches(r, size):
         per.append(torch.stack([lo, hi, mask[i : i + size, P:].sum(), new[i + 1 : i + size].sum() + 1]))
     for i, (lo, hi, targets, prompts) in zip(range(0, mask.size(0), size), torch.stack(per).tolist()):
         rows = slice(i, i + size)
-        yield rows, r.input_ids[rows, lo:hi], mask[rows, lo:hi], hi - P, (targets, prompts)
+        yield MicroBatch(rows, r.input_ids[rows, lo:hi], mask[rows, lo:hi], hi - P, (targets, prompts))
 
 
 # --- teacher-forced log-probs
 class TokenLogp(torch.autograd.Function):
-    """Log-prob of targets t (n,) under fp32 logits z (n, V), already transformed (temperature, top-k ...), and the
-    entropy: log p_t = z_t - logZ, H = logZ - E_p[z]. Backward, one read of z: d log p_t / dz = onehot(t) - p and
-    dH / dz = -p (z - E_p[z]), an output only logged costs nothing; a -inf logit (p = 0) gets 0, not nan. logZ and
-    E_p[z] stay on ctx, so a checkpoint's recompute needs only z. TokenLogp.apply(z, t, with_entropy) -> (n,) x 2"""
+    """log p_t = z_t - logZ of targets t (n,) under fp32 logits z (n, V), temperature applied, and H = logZ - E_p[z] if
+    with_entropy, else None. Backward reads z once: d log p_t / dz = onehot(t) - p, dH / dz = -p (z - E_p[z]); a None
+    grad costs nothing, a -inf logit gets 0, not nan. logZ, E_p[z] stay on ctx for a checkpoint's recompute."""
 
     @staticmethod
     def forward(ctx, z, t, with_entropy):
@@ -349,9 +353,8 @@ class TokenLogp(torch.autograd.Function):
 
 
 def head_logprobs(lm_head, hidden, targets, *, sampler=Sampler(), with_entropy=False, ref=None):
-    """Log-prob of each target under sampler.logits of the `lm_head` module: hidden (n, H), targets (n,) -> logp,
-    entropy or None, kl or None (n,). A chunk's (chunk, V) logits are made, used and checkpointed (backward reruns the
-    head): no (n, V) tensor. ref = (ref_lm_head, ref_hidden (n, H)): the exact KL(pi || pi_ref) too (grpo.full_kl)."""
+    """hidden (n, H), targets (n,) -> logp, entropy or None, kl or None (n,) under sampler.logits of `lm_head`, in
+    checkpointed chunks of (chunk, V) logits: no (n, V) tensor. ref: a RefStates (hidden (n, H)) for grpo.full_kl."""
     budget = 64 << 20 if hidden.device.type == "cpu" else 1 << 30  # a chunk's fp32 logits: a CPU's cache, few calls
     size = max(16, budget // (4 * lm_head.weight.size(0)))
 
@@ -361,12 +364,12 @@ def head_logprobs(lm_head, hidden, targets, *, sampler=Sampler(), with_entropy=F
         if h_ref is None:
             return logp, ent, None
         with torch.no_grad():
-            z_ref = sampler.logits(ref[0](h_ref))  # (n_c, V)
+            z_ref = sampler.logits(ref.head(h_ref))  # (n_c, V)
         return logp, ent, grpo.full_kl(z, z_ref)
 
     out, grad = [], torch.is_grad_enabled() and hidden.requires_grad
     for i in range(0, hidden.size(0), size):
-        a = (hidden[i : i + size], targets[i : i + size], None if ref is None else ref[1][i : i + size])
+        a = (hidden[i : i + size], targets[i : i + size], None if ref is None else ref.hidden[i : i + size])
         if grad:  # backward reruns the chunk instead of keeping its logits
             out.append(checkpoint(chunk, *a, use_reentrant=False))
         else:
@@ -374,8 +377,7 @@ def head_logprobs(lm_head, hidden, targets, *, sampler=Sampler(), with_entropy=F
     return tuple(None if parts[0] is None else torch.cat(parts) for parts in zip(*out))
 
 
-def _check_outer(model):
-    """Refuse what only model(...) would run, rather than compute something else without it."""
+def _check_outer(model):  # refuse what only model(...) would run, rather than compute something else without it
     name = type(model).__name__
     cfg = getattr(model, "active_peft_config", None)
     c = model.config
@@ -394,8 +396,7 @@ def _root_gathered(model):  # FSDP2's root (embeddings, norm, head) gathered by 
     return importlib.import_module("scale").root_gathered(model) if hasattr(model, "unshard") else nullcontext()
 
 
-def _new_prompts(prompt_ids, prompt_mask):
-    """(N,) True on each row whose prompt (ids and mask) is not the previous row's: a distinct prompt's first row"""
+def _new_prompts(prompt_ids, prompt_mask):  # (N,) True where the prompt (ids, mask) is not the previous row's
     ids = prompt_ids * prompt_mask  # (N, P) padding as 0, whatever id padded it (concat's and sample()'s differ)
     same = ((ids[1:] == ids[:-1]) & (prompt_mask[1:] == prompt_mask[:-1])).all(1)  # (N-1,)
     return torch.cat([same.new_ones(1), ~same])
@@ -434,21 +435,18 @@ def completion_hidden(model, input_ids, attention_mask, num_completion, share=Tr
         return _hidden(model, input_ids.to(device), attention_mask.to(device), num_completion, share, sizes)
 
 
-def token_logprobs(
-    model, input_ids, attention_mask, C, *, sampler=Sampler(), with_entropy=False, ref=None, share=True, sizes=None
-):
-    """Teacher-forced log-probs of each row's last C tokens (its completion): input_ids, attention_mask (N, P+C) ->
-    logp, entropy or None, kl or None (N, C), 0 where the mask is 0 (the head skips it). The decoder runs once (share:
-    each distinct prompt once), the lm_head in chunks; ref = (ref_lm_head, ref_hidden (N, C, H)): the exact KL too.
-    sizes: micro_batches' (real targets, distinct prompts); given, nothing is read from the device."""
+def token_logprobs(model, ids, mask, C, *, sampler=Sampler(), with_entropy=False, ref=None, share=True, sizes=None):
+    """Teacher-forced log-probs of each row's last C tokens: ids, mask (N, P+C) -> logp, entropy or None, kl or None,
+    (N, C) each, 0 where mask is 0. The decoder runs once (share: a distinct prompt once), the lm_head in chunks. ref: a
+    RefStates (hidden (N, C, H)) for the exact KL; sizes: micro_batches', then no device read."""
     _check_outer(model)
     device = next(model.parameters()).device
-    ids, mask = input_ids.to(device), attention_mask.to(device)
+    ids, mask = ids.to(device), mask.to(device)
     with _root_gathered(model):
         hidden = _hidden(model, ids, mask, C, share, sizes).flatten(0, 1)  # (N*C, H)
         real = mask[:, -C:].flatten().bool()  # (N*C,) positions whose target is a real token
         at = torch.nonzero_static(real, size=sizes[0] if sizes else int(real.sum())).squeeze(1)  # (n,)
-        ref = None if ref is None else (ref[0], ref[1].flatten(0, 1)[at])
+        ref = None if ref is None else ref._replace(hidden=ref.hidden.flatten(0, 1)[at])  # (n, H)
         head, targets = model.get_output_embeddings(), ids[:, -C:].flatten()[at]  # (n,)
         out = head_logprobs(head, hidden[at], targets, sampler=sampler, with_entropy=with_entropy, ref=ref)
     return tuple(None if v is None else v.new_zeros(mask.size(0) * C).index_copy(0, at, v).view(-1, C) for v in out)
@@ -459,8 +457,7 @@ def _checkpointing(model):  # transformers drops the KV cache in training under 
 
 
 def sharing_problem(model, dtype=None):
-    """None when running each prompt once through the model's KV cache gives what whole rows give, else the
-    one-line reason it does not (checked on a 2-row probe, so a fork's edit that ignores the cache shows)."""
+    """None if a prompt run once into the KV cache gives what whole rows give (on a 2-row probe), else why not."""
     _check_outer(model)  # its own one-line refusals first
     if _checkpointing(model):
         return "gradient checkpointing: transformers drops the KV cache in training"

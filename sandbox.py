@@ -38,8 +38,7 @@ PY_READ = 64 << 10  # bytes read at most: past it the program is stopped
 PY_SHOW = 400  # characters shown: a reply costs the row's tokens
 PY_DISK = "32m"  # its directory is a tmpfs of this size where a mount namespace is made
 # as root each call's uid is PY_UID + a count that only grows (PY_UIDS's size), so limits and kills reach that call
-# alone and no later call finds what a uid left: a uid derived from pid and call number was shared by two callers
-# whose pids differ by 20000, and by a later run given the same pid
+# alone and no later call finds what a uid left (a uid made from a pid would be shared by two pids, or a later run)
 PY_UID = 2_000_000_000
 PY_UIDS = "/run/grpo-python-uids"  # root's alone (as /run is); where /run is a tmpfs a boot resets both it and the uids
 # the key syscalls (add_key, request_key, keyctl) and AUDIT_ARCH_* per machine: refused by a seccomp filter where known.

@@ -36,7 +36,7 @@ def add_lora(model, rank, seed=0):
         from peft import LoraConfig, get_peft_model
     except ImportError:
         raise SystemExit("error: --lora-rank needs peft: pip install peft") from None
-    # peft calls a transformers property that transformers 5 renamed: a warning a run cannot act on
+    # peft calls a transformers property by its deprecated name: a warning a run cannot act on
     warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
     cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", task_type="CAUSAL_LM")
     with torch.random.fork_rng(devices=[]):  # the CPU generator, restored after

@@ -64,7 +64,7 @@ def test_advantages_zero_a_flat_group_keep_order_and_follow_the_rewards(name):
 # --kl-estimator: grpo.KL_ESTIMATORS
 
 
-@pytest.mark.parametrize("name", grpo.KL_ESTIMATORS)
+@pytest.mark.parametrize("name", [k for k in grpo.KL_ESTIMATORS if k != "full"])  # full: exact, from logits
 def test_kl_estimators_are_zero_on_the_reference_nonnegative_in_expectation_and_finite(name):
     """Fails if an entry is not 0 where pi = pi_ref, if its exact expectation under pi (sum_v pi(v) k(x_v)) is
     negative for some pi != pi_ref (no KL estimate is), or if it or its gradient overflows for |x| <= 20 in fp32."""
@@ -105,7 +105,7 @@ def _policy_gradient(surrogate, aggregation):
     loss_type = next(k for k, (s, _) in grpo.LOSS_TYPES.items() if s == surrogate)
     obj = Objective(beta=0, loss_type=loss_type, aggregation=aggregation, max_new_tokens=8)
     lp = logp.clone().requires_grad_()
-    loss, _ = grpo_loss(lp, None, None, adv, mask, obj)
+    loss, _ = grpo_loss(lp, old_logp=None, ref_logp=None, advantages=adv, mask=mask, obj=obj)
     (grad,) = torch.autograd.grad(loss, lp)
     x = torch.zeros_like(logp, requires_grad=True)
     (weight,) = torch.autograd.grad(aggregate(x, mask, aggregation, max_new_tokens=8), x)

@@ -163,7 +163,15 @@ def test_the_training_micro_batch_loop_syncs_only_in_the_models_mask_check():
                         logp, entropy, _ = rollout.token_logprobs(policy, ids, mask, c, with_entropy=True, sizes=sizes)
                         adv = torch.ones(logp.size(0), device="cuda")
                         obj = grpo.Objective(beta=0.0)
-                        grpo.grpo_loss(logp, None, None, adv, mask[:, -c:], obj, entropy=entropy)[0].backward()
+                        grpo.grpo_loss(
+                            logp,
+                            old_logp=None,
+                            ref_logp=None,
+                            advantages=adv,
+                            mask=mask[:, -c:],
+                            obj=obj,
+                            entropy=entropy,
+                        )[0].backward()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         counts.append(sum("synchroniz" in str(w.message) for w in seen))

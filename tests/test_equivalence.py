@@ -108,7 +108,15 @@ def test_training_path_matches_naive(micro, share):
         logp, _, _ = rollout.token_logprobs(
             policy, ids, mask, c, sampler=rollout.Sampler(temperature=temp), share=share
         )
-        loss, _ = grpo.grpo_loss(logp, None, ref_logp, adv[rows], r.completion_mask[rows, :c], obj, num_sequences=N)
+        loss, _ = grpo.grpo_loss(
+            logp,
+            old_logp=None,
+            ref_logp=ref_logp,
+            advantages=adv[rows],
+            mask=r.completion_mask[rows, :c],
+            obj=obj,
+            num_sequences=N,
+        )
         loss.backward()
         total += loss.item()
 
@@ -190,12 +198,21 @@ def test_the_micro_batch_loop_reads_nothing_from_the_device(share):
         out = []
         for _, ids, mask, c, s in slices:
             s = s if sizes else None
-            kl_ref = (ref.get_output_embeddings(), rollout.completion_hidden(ref, ids, mask, c, share, s).detach())
+            ref_hidden = rollout.completion_hidden(ref, ids, mask, c, share, s).detach()
             logp, entropy, kl = rollout.token_logprobs(
-                policy, ids, mask, c, with_entropy=True, ref=kl_ref, share=share, sizes=s
+                policy,
+                ids,
+                mask,
+                c,
+                with_entropy=True,
+                ref=rollout.RefStates(ref.get_output_embeddings(), ref_hidden),
+                share=share,
+                sizes=s,
             )
             adv, obj = torch.ones(logp.size(0)), grpo.Objective(kl_estimator="full")
-            grpo.grpo_loss(logp, None, None, adv, mask[:, -c:], obj, entropy=entropy, kl=kl)[0].backward()
+            grpo.grpo_loss(
+                logp, old_logp=None, ref_logp=None, advantages=adv, mask=mask[:, -c:], obj=obj, entropy=entropy, kl=kl
+            )[0].backward()
             out.append(logp.detach())
         return out
 

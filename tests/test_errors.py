@@ -943,11 +943,11 @@ def test_eval_bad_input_is_one_line_before_evaluating(
 
 
 def fail_in_sample(error):
-    def patch(monkeypatch):  # the evaluation's first batch raises `error` (tasks.evaluate calls its own `sample`)
+    def patch(monkeypatch):  # the evaluation's first batch raises `error` (eval.py imports rollout.sample)
         def raise_(*a, **k):
             toy.fail(error)
 
-        monkeypatch.setattr(tasks, "sample", raise_)
+        monkeypatch.setattr(rollout, "sample", raise_)  # eval.py, run afresh, imports it then
 
     return patch
 

@@ -15,7 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import toy  # noqa: E402
 from toy import EVAL, TRAIN, run_script, train_args  # noqa: E402
 
-import tasks  # noqa: E402
+import eval as eval_  # noqa: E402
 from eval import evaluate, load_checkpoint_model, pass_at_k  # noqa: E402
 from rollout import Sampler  # noqa: E402
 
@@ -113,7 +113,7 @@ def test_evaluate_reports_pass_at_k_for_powers_of_two_and_n(monkeypatch, n, coun
     examples = toy.load("test")[: len(counts)]
     correct = {ex["question"]: c for ex, c in zip(examples, counts)}
     calls = []
-    monkeypatch.setattr(tasks, "sample", stub_sample(correct, calls))
+    monkeypatch.setattr(eval_, "sample", stub_sample(correct, calls))
     summary, records = evaluate(
         toy.make_model(),
         toy.make_tokenizer(),
@@ -135,7 +135,7 @@ def test_evaluate_reports_pass_at_k_for_powers_of_two_and_n(monkeypatch, n, coun
 
 def test_progress_bar_goes_to_stderr_and_counts_problems(monkeypatch, capsys):
     examples = toy.load("test")[:5]
-    monkeypatch.setattr(tasks, "sample", stub_sample({ex["question"]: 1 for ex in examples}, []))
+    monkeypatch.setattr(eval_, "sample", stub_sample({ex["question"]: 1 for ex in examples}, []))
     evaluate(toy.make_model(), toy.make_tokenizer(), toy.TASK, examples, n=2, batch_size=4, progress=True)
     out, err = capsys.readouterr()  # neither is a tty here, as in a job log
     assert out == "" and "eval:" in err and "/5 " in err, err  # the bar counts the 5 problems

@@ -92,7 +92,9 @@ class DynamicSpy:
             monkeypatch,
             grpo,
             "grpo_loss",
-            lambda a, k, out: self.steps[-1]["losses"].append((a[3].clone(), a[4].clone(), float(k["num_sequences"]))),
+            lambda a, k, out: self.steps[-1]["losses"].append(
+                (k["advantages"].clone(), k["mask"].clone(), float(k["num_sequences"]))
+            ),
         )
 
 
@@ -235,7 +237,9 @@ def test_full_kl_value_and_gradient_equal_autograd_of_the_naive_formula(share):
     with torch.no_grad():
         ref_h = rollout.completion_hidden(ref, ids, mask, C, share)  # (N, C, H): what train.py keeps, not logits
     assert ref_h.shape == (3, C, ref.config.hidden_size)
-    _, _, kl = rollout.token_logprobs(policy, ids, mask, C, ref=(ref.get_output_embeddings(), ref_h), share=share)
+    _, _, kl = rollout.token_logprobs(
+        policy, ids, mask, C, ref=rollout.RefStates(ref.get_output_embeddings(), ref_h), share=share
+    )
     grads = torch.autograd.grad((w * kl).sum(), list(policy.parameters()))
     want = naive_kl(policy, ref, ids, mask, C)
     want_grads = torch.autograd.grad((w * want).sum(), list(policy.parameters()))
@@ -264,9 +268,9 @@ def test_full_kl_in_the_loop_keeps_hidden_states_not_logits(model_dir, tmp_path,
     ref_calls = [(shape, share) for model, shape, share in stored if model is g["ref"] and shape[0] == MICRO]
     # one (micro-batch, c, H) tensor per micro-batch per step: N*C*H floats, V/H times fewer than logits;
     # each micro-batch is one group, so its prompt runs once (prompt sharing is on for this model)
-    assert len(ref_calls) == 2 * PROMPTS * G // MICRO and g["share"]
+    assert len(ref_calls) == 2 * PROMPTS * G // MICRO and g["passes"]["share"]
     assert all(s[2] == H != V and share for s, share in ref_calls)
-    assert [tuple(h.shape) for h in g["ref_out"]] == [s for s, _ in ref_calls[-2:]]  # hidden states, no log-probs
+    assert [tuple(h.shape) for h in g["ref_hidden"]] == [s for s, _ in ref_calls[-2:]]  # hidden states, no log-probs
     # the reference == the policy before the first update: the same fp32 numbers, a KL of exactly 0
     assert rows[0]["kl"] == 0.0 < rows[1]["kl"] and rows[1]["kl_max"] >= rows[1]["kl"]
 
@@ -367,7 +371,7 @@ def test_process_supervision_advantages_are_the_hand_calculation(smol_tok, tmp_p
     smol_tok.save_pretrained(folder)
     sampled, losses = [], []
     monkeypatch.setattr(rollout, "sample", scripted_sampler(smol_tok, rollout.sample, sampled))
-    spy(monkeypatch, grpo, "grpo_loss", lambda a, k, out: losses.append(a[3].clone()))
+    spy(monkeypatch, grpo, "grpo_loss", lambda a, k, out: losses.append(k["advantages"].clone()))
     argv = train_args(str(folder), str(tmp_path / "out"), "--supervision", "process", "--beta", 0, steps=1)
     argv[argv.index("toy")], argv[argv.index("--max-new-tokens") + 1] = "arith_steps", 48
     run_script(TRAIN, argv)
@@ -457,7 +461,7 @@ def test_bfloat16_gap_metrics_and_weights_are_the_recomputed_ones(model_dir, tmp
         monkeypatch,
         grpo,
         "grpo_loss",
-        lambda a, k, out: losses.append((a[0].detach().clone(), a[4].clone(), k["sample_logp"].clone(), out[1])),
+        lambda a, k, out: losses.append((a[0].detach().clone(), k["mask"].clone(), k["sample_logp"].clone(), out[1])),
     )
     run_script(TRAIN, train_args(model_dir, str(tmp_path), "--dtype", "bfloat16", "--config", "is_cap=1.0", steps=2))
     rows = read_metrics(str(tmp_path))
@@ -487,7 +491,7 @@ def test_is_mode_none_trains_with_weights_one(model_dir, tmp_path, monkeypatch):
     calls = []
 
     def check(a, k, out):
-        assert a[5].is_mode == "none" and k["sample_logp"] is not None
+        assert k["obj"].is_mode == "none" and k["sample_logp"] is not None
         again, _ = real(*a, **{**k, "sample_logp": None})
         assert torch.equal(out[0], again)  # the loss of plain GRPO, no reweighting
         calls.append(1)

@@ -39,9 +39,9 @@ def test_the_rloo_fork_is_one_line_gets_the_shared_checks_and_trains(model_dir, 
     exec(block, vars(grpo))
     test_choices.test_advantages_zero_a_flat_group_keep_order_and_follow_the_rewards("rloo")  # the shared checks
     calls, real = [], grpo.grpo_loss
-    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **k: calls.append(a[3]) or real(*a, **k))
+    monkeypatch.setattr(grpo, "grpo_loss", lambda *a, **k: calls.append(k["advantages"]) or real(*a, **k))
     g = run_script(TRAIN, train_args(model_dir, str(tmp_path), "--scale-rewards", "rloo", steps=1))
-    r = (g["r"].rewards @ g["reward_w"]).double().view(-1, 4)  # (prompts, G): the step's weighted rewards
+    r = g["r"].reward.double().view(-1, 4)  # (prompts, G): the step's weighted rewards
     want = (r - (r.sum(1, keepdim=True) - r) / 3).flatten()
     got = torch.cat([a[:, 0] for a in calls]).double()  # one micro-batch a group, in order
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
@@ -142,9 +142,8 @@ def test_the_readme_choices_are_the_dicts_keys():
 
 
 def test_the_readme_config_keys_and_flags_are_train_pys(capsys):
-    """Fails if a config key (a CONSTANTS entry, a field of grpo.Objective or rollout.Sampler that is no flag) or a
-    flag is added or removed without README's lists following: the keys as `train.py --help` lists them, the flags
-    as train.py declares them."""
+    """Fails if a config key or a flag (a knob declared in train.py's Knobs, grpo.Objective or rollout.Sampler) is
+    added or removed without README's lists following: both as `train.py --help` lists them."""
     with pytest.raises(SystemExit):
         run_script(TRAIN, ["--help"])
     text = " ".join(capsys.readouterr().out.split())
@@ -152,6 +151,6 @@ def test_the_readme_config_keys_and_flags_are_train_pys(capsys):
     readme = README.read_text()
     paragraph = readme[readme.index("Config keys") : readme.index("**`task_options`**")]
     assert set(re.findall(r"`([a-z_]+)`", paragraph)) == keys
-    flags = set(re.findall(r'add_argument\("(--[a-z-]+)"', (README.parent / "train.py").read_text()))
-    table = set().union(*(ticked(row[1]) for row in readme_rows("| group | flags |")))
+    flags = set(re.findall(r"\[(--[a-z-]+)", text.split("options:")[0]))  # the usage line: [--flag ...]
+    table = set().union(*(ticked(row[1]) for row in readme_rows("| declared in | flags |")))
     assert table == flags, table ^ flags

@@ -187,7 +187,7 @@ def test_grpo_loss_passes_sapo_negative_temperature():
     """Fails if grpo_loss drops obj.sapo_temperature_neg (sapo_surrogate then uses its default 1.05)."""
     logp, old, adv, mask = _one_token(1.5, -1.0)
     obj = Objective(beta=0, loss_type="sapo", sapo_temperature_neg=2.0)
-    loss, _ = grpo_loss(logp, old, None, adv, mask, obj)
+    loss, _ = grpo_loss(logp, old_logp=old, ref_logp=None, advantages=adv, mask=mask, obj=obj)
     assert loss.item() == pytest.approx(_sigmoid(2.0 * 0.5) * 4 / 2.0, rel=1e-12)  # -f(1.5) A, A = -1, tau = 2
 
 
@@ -195,7 +195,7 @@ def test_grpo_loss_passes_delta():
     """Fails if grpo_loss drops obj.delta (INTELLECT-2's cap): rho = 10, A = -1 gives min(min(10, 4) A, 1.2 A) = -4,
     not -10."""
     logp, old, adv, mask = _one_token(10.0, -1.0)
-    loss, _ = grpo_loss(logp, old, None, adv, mask, Objective(beta=0, delta=4.0))
+    loss, _ = grpo_loss(logp, old_logp=old, ref_logp=None, advantages=adv, mask=mask, obj=Objective(beta=0, delta=4.0))
     assert loss.item() == pytest.approx(4.0, rel=1e-12)
 
 
@@ -215,7 +215,13 @@ def test_grpo_loss_passes_is_cap_and_reports_is_capped():
     mask = torch.ones(1, 2, dtype=torch.bool)
     obj = Objective(beta=0, is_cap=3.0)
     loss, metrics = grpo_loss(
-        logp, torch.zeros(1, 2, **F64), None, torch.ones(1, **F64), mask, obj, sample_logp=sample_logp
+        logp,
+        old_logp=torch.zeros(1, 2, **F64),
+        ref_logp=None,
+        advantages=torch.ones(1, **F64),
+        mask=mask,
+        obj=obj,
+        sample_logp=sample_logp,
     )
     assert loss.item() == pytest.approx(-2.75, rel=1e-12)
     assert metrics["is_capped"].item() == 0.5
@@ -227,9 +233,11 @@ def test_objective_bounds_accept_their_edge_and_name_the_choices():
     choices joined by ", " (_check_choice)."""
     assert Objective(loss_type="cispo", cispo_cap=1.0).cispo_cap == 1.0  # weight min(rho, 1): a valid, tight cap
     assert Objective(is_cap=0.5).is_cap == 0.5  # TIS with a cap below 1 is a valid choice
-    _raises("cispo_cap must be >= 1, got 0.5", Objective, cispo_cap=0.5)
-    _raises("is_cap must be > 0, got 0.0", Objective, is_cap=0.0)
-    _raises("sapo_temperature_pos/_neg must be > 0", Objective, loss_type="sapo", sapo_temperature_neg=0.0)
+    _raises("config key cispo_cap must be >= 1, got 0.5", Objective, cispo_cap=0.5)
+    _raises("config key is_cap must be > 0, got 0.0", Objective, is_cap=0.0)
+    _raises(
+        "config key sapo_temperature_neg must be > 0, got 0.0", Objective, loss_type="sapo", sapo_temperature_neg=0.0
+    )
     with pytest.raises(ValueError) as e:
         Objective(loss_type="ppo")
     assert f"--loss-type 'ppo': choose from {', '.join(LOSS_TYPES)}" in str(e.value)
@@ -280,24 +288,50 @@ X, ADV, MASK = torch.zeros(2, 3, **F64), torch.zeros(2, **F64), torch.ones(2, 3,
 )
 def test_grpo_loss_missing_input_messages_whole(obj, message):
     """Fails if a grpo_loss check's message is changed (e.g. wrapped as "XX...XX")."""
-    _raises(message, grpo_loss, X, None, None, ADV, MASK, obj)
+    _raises(message, grpo_loss, X, old_logp=None, ref_logp=None, advantages=ADV, mask=MASK, obj=obj)
 
 
 def test_grpo_loss_logp_shape_message():
     """Fails if the message of grpo_loss's logp check is lost (None)."""
-    _raises("logp must have shape (N, T), got (3,)", grpo_loss, X[0], None, None, ADV, MASK, NO_KL)
+    _raises(
+        "logp must have shape (N, T), got (3,)",
+        grpo_loss,
+        X[0],
+        old_logp=None,
+        ref_logp=None,
+        advantages=ADV,
+        mask=MASK,
+        obj=NO_KL,
+    )
 
 
 def test_grpo_loss_checks_mask_and_entropy_shapes():
     """Fails if grpo_loss's shape check leaves out mask or entropy: a (2, 4) mask then fails later with a broadcast
     RuntimeError, and a (1, 3) or (3,) entropy broadcasts silently into a wrong loss."""
     wide = torch.ones(2, 4, dtype=torch.bool)
-    _raises("mask must have shape (2, 3), got (2, 4)", grpo_loss, X, None, None, ADV, wide, NO_KL)
+    _raises(
+        "mask must have shape (2, 3), got (2, 4)",
+        grpo_loss,
+        X,
+        old_logp=None,
+        ref_logp=None,
+        advantages=ADV,
+        mask=wide,
+        obj=NO_KL,
+    )
     obj = Objective(beta=0, entropy_coef=0.1)
     for entropy in (torch.ones(1, 3, **F64), torch.ones(3, **F64), torch.ones(2, 4, **F64)):
         shape = tuple(entropy.shape)
         _raises(
-            f"entropy must have shape (2, 3), got {shape}", grpo_loss, X, None, None, ADV, MASK, obj, entropy=entropy
+            f"entropy must have shape (2, 3), got {shape}",
+            grpo_loss,
+            X,
+            old_logp=None,
+            ref_logp=None,
+            advantages=ADV,
+            mask=MASK,
+            obj=obj,
+            entropy=entropy,
         )
 
 
@@ -311,7 +345,7 @@ def _metrics(ratios, advantages, obj):
     logp = torch.tensor([[math.log(r) for r in ratios]], **F64, requires_grad=True)
     adv = torch.tensor([advantages], **F64)
     mask = torch.ones_like(adv, dtype=torch.bool)
-    loss, metrics = grpo_loss(logp, torch.zeros_like(adv), None, adv, mask, obj)
+    loss, metrics = grpo_loss(logp, old_logp=torch.zeros_like(adv), ref_logp=None, advantages=adv, mask=mask, obj=obj)
     (grad,) = torch.autograd.grad(loss, logp)
     return metrics, grad[0]
 

@@ -104,7 +104,15 @@ def test_cispo_and_sapo_match_the_papers_equations(loss_type, level, beta, weigh
     w = w if weighted else torch.ones_like(w)
     logp.requires_grad_()
     sample = old - w.log() if weighted else None  # pi_old / pi_sample = w, below is_cap: not cut
-    loss, _ = grpo_loss(logp, old, ref, adv, mask, _obj(loss_type, level, beta), sample_logp=sample)
+    loss, _ = grpo_loss(
+        logp,
+        old_logp=old,
+        ref_logp=ref,
+        advantages=adv,
+        mask=mask,
+        obj=_obj(loss_type, level, beta),
+        sample_logp=sample,
+    )
     want, want_grad = _paper(loss_type, level, beta, logp.detach(), old, ref, adv, mask, w)
     assert loss.item() == pytest.approx(want, rel=1e-12)
     (grad,) = torch.autograd.grad(loss, logp)
@@ -194,11 +202,11 @@ def test_cispo_and_sapo_match_trl_compute_loss(loss_type, level, beta, weighted,
         theirs = trainer._compute_loss(None, inputs)
         ours, _ = grpo_loss(
             our_logp[rows],
-            old[rows],
-            ref[rows],
-            adv[rows],
-            mask[rows],
-            obj,
+            old_logp=old[rows],
+            ref_logp=ref[rows],
+            advantages=adv[rows],
+            mask=mask[rows],
+            obj=obj,
             entropy=ent[rows],
             sample_logp=sample[rows] if weighted else None,
             num_sequences=N,
@@ -223,7 +231,7 @@ def test_mu1_gradient_is_minus_A_times_weight(loss_type, level):
     # -A log pi (cispo) and -A f(1) = -2 A / tau (sapo), aggregated as dapo and as grpo
     logp, _, _, _, _, adv, mask = _batch()
     logp.requires_grad_()
-    loss, m = grpo_loss(logp, None, None, adv, mask, _obj(loss_type, level))
+    loss, m = grpo_loss(logp, old_logp=None, ref_logp=None, advantages=adv, mask=mask, obj=_obj(loss_type, level))
     N, lens, n = logp.shape[0], mask.sum(1, keepdim=True).double(), mask.sum()
     weight = 1 / n if loss_type == "cispo" else 1 / (lens * N)  # (N, 1) or 0-dim
     torch.testing.assert_close(torch.autograd.grad(loss, logp)[0], torch.where(mask, -adv[:, None] * weight, 0.0))
@@ -238,8 +246,10 @@ def test_cispo_clipped_tokens_keep_their_gradient_where_grpo_drops_it():
     old = torch.zeros(1, 1, dtype=torch.float64)
     logp = torch.full((1, 1), math.log(2), dtype=torch.float64, requires_grad=True)
     mask, A = torch.ones(1, 1, dtype=torch.bool), torch.ones(1, dtype=torch.float64)
-    (grad_grpo,) = torch.autograd.grad(grpo_loss(logp, old, None, A, mask, Objective(beta=0))[0], logp)
-    loss, m = grpo_loss(logp, old, None, A, mask, _obj("cispo"))
+    (grad_grpo,) = torch.autograd.grad(
+        grpo_loss(logp, old_logp=old, ref_logp=None, advantages=A, mask=mask, obj=Objective(beta=0))[0], logp
+    )
+    loss, m = grpo_loss(logp, old_logp=old, ref_logp=None, advantages=A, mask=mask, obj=_obj("cispo"))
     (grad_cispo,) = torch.autograd.grad(loss, logp)
     assert grad_grpo.item() == 0 and grad_cispo.item() == pytest.approx(-1.5, rel=1e-15)
     assert loss.item() == pytest.approx(-1.5 * math.log(2), rel=1e-15)
@@ -282,12 +292,20 @@ def test_aggregation_is_trls_and_micro_batches_sum_to_the_batch(loss_type):
     obj = _obj(loss_type, beta=0.04)
     full = logp.clone().requires_grad_()
     sample = old - w.log()  # pi_old / pi_sample = w
-    loss, _ = grpo_loss(full, old, ref, adv, mask, obj, sample_logp=sample)
+    loss, _ = grpo_loss(full, old_logp=old, ref_logp=ref, advantages=adv, mask=mask, obj=obj, sample_logp=sample)
     loss.backward()
     acc, total = logp.clone().requires_grad_(), 0
     for s in (slice(0, 3), slice(3, 8)):  # unequal micro-batches
         part, _ = grpo_loss(
-            acc[s], old[s], ref[s], adv[s], mask[s], obj, sample_logp=sample[s], num_sequences=8, num_tokens=mask.sum()
+            acc[s],
+            old_logp=old[s],
+            ref_logp=ref[s],
+            advantages=adv[s],
+            mask=mask[s],
+            obj=obj,
+            sample_logp=sample[s],
+            num_sequences=8,
+            num_tokens=mask.sum(),
         )
         part.backward()
         total = total + part.detach()
@@ -305,7 +323,9 @@ def test_padding_changes_neither_loss_nor_gradient(loss_type, level):
 
     def run(logp, old, ref, adv_t, ent):
         logp = logp.clone().requires_grad_()
-        loss, metrics = grpo_loss(logp, old, ref, adv_t, mask, obj, entropy=ent, sample_logp=sample)
+        loss, metrics = grpo_loss(
+            logp, old_logp=old, ref_logp=ref, advantages=adv_t, mask=mask, obj=obj, entropy=ent, sample_logp=sample
+        )
         return loss, torch.autograd.grad(loss, logp)[0], metrics
 
     def bad(x, v):

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 import eval as ev
-from eval import read_metrics, running_mean, series
+from plot import read_metrics, running_mean, series
 
 
 def write_run(path, rows, tail=""):

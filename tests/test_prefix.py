@@ -145,7 +145,9 @@ def test_full_kl_to_a_reference_model_equals_the_full_rows(kind):
     with torch.no_grad():
         ref_hidden = rollout.completion_hidden(ref, ids, mask, C)  # (N, C, H)
         logq = reference(ref, ids, mask, C)
-    _, _, kl = rollout.token_logprobs(model, ids, mask, C, ref=(ref.get_output_embeddings(), ref_hidden))
+    _, _, kl = rollout.token_logprobs(
+        model, ids, mask, C, ref=rollout.RefStates(ref.get_output_embeddings(), ref_hidden)
+    )
     logp = reference(model, ids, mask, C)
     want = (logp.exp() * (logp - logq)).sum(-1) * m  # (N, C)
     assert (kl[~m] == 0).all() and (want[m] > 1e-3).all()  # a different model: KL well above 0 everywhere

@@ -52,7 +52,7 @@ def test_the_reference_apart_runs_in_its_own_dtype_and_only_its_results_travel(m
     assert policy_dtypes == {torch.float32} and ref_dtypes == {torch.float32}  # no bf16 matmul weights there
     # every reference pass (the probe, then one per micro-batch and step) ran without autocast, in fp32
     assert apart["ref_calls"] and set(apart["ref_calls"]) == {(False, torch.float32)}
-    assert g["ref_out"].shape == g["r"].completion_ids.shape  # (N, C): what travels back
+    assert g["ref_logp"].shape == g["r"].completion_ids.shape  # (N, C): what travels back
     rows = read_metrics(str(tmp_path))
     # the same weights in two numerics: a KL above 0 at step 1, but of the size of bf16's rounding (~1e-2 in a
     # log-prob: k3 ~ x^2 / 2 ~ 1e-4 a token), far below a policy that moved
@@ -102,7 +102,9 @@ def test_the_full_kl_runs_the_reference_head_on_the_policys_side(model_dir, tmp_
     head = ref.get_output_embeddings()
     assert head.weight is not ref.get_input_embeddings().weight  # a copy for the policy's side: no longer tied
     H = policy.config.hidden_size
-    assert [tuple(h.shape)[-1] for h in g["ref_out"]] == [H] * len(g["ref_out"])  # hidden states travel, not logits
+    assert [tuple(h.shape)[-1] for h in g["ref_hidden"]] == [H] * len(
+        g["ref_hidden"]
+    )  # hidden states travel, not logits
     # ref_sync_every: the reference (and its head) became the policy after each step, on the reference's side
     for name, p in policy.named_parameters():
         torch.testing.assert_close(ref.get_parameter(name), p.detach(), rtol=0, atol=0, msg=name)

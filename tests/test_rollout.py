@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from conftest import DECODE, ENDOFTEXT, EOS, GRADS, IM_START, VOCAB, assert_close_scaled, make_model, make_tokenizer
 from rollout import stop_token_ids
 from rollout import (
+    RefStates,
     Rollout,
     Sampler,
     completion_hidden,
@@ -335,7 +336,12 @@ def test_head_logprobs_runs_the_head_module_on_chunks_only():
     for h in rows:
         h.register_forward_hook(lambda m, args, out: rows[m].append(args[0].size(0)))
     logp, ent, kl = head_logprobs(
-        head, hidden, targets, sampler=Sampler(temperature=T), with_entropy=True, ref=(ref_head, ref_hidden)
+        head,
+        hidden,
+        targets,
+        sampler=Sampler(temperature=T),
+        with_entropy=True,
+        ref=RefStates(ref_head, ref_hidden),
     )
     assert rows[head] == rows[ref_head] == [64, 64, 5] and 64 * 4 * vocab == 64 << 20
     w = torch.randn(3, n, generator=g)
@@ -372,7 +378,7 @@ def test_token_logprobs_kl_to_a_reference_equals_the_full_softmax(tiny_model):
         ref_hidden = completion_hidden(ref, ids, mask, C)  # (N, C, H)
         self_hidden = completion_hidden(tiny_model, ids, mask, C)
     logp, _, kl = token_logprobs(
-        tiny_model, ids, mask, C, sampler=Sampler(temperature=T), ref=(ref.lm_head, ref_hidden)
+        tiny_model, ids, mask, C, sampler=Sampler(temperature=T), ref=RefStates(ref.lm_head, ref_hidden)
     )
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     z = tiny_model(input_ids=ids, attention_mask=mask, position_ids=pos).logits[:, -C - 1 : -1] / T  # (N, C, V)
@@ -389,7 +395,12 @@ def test_token_logprobs_kl_to_a_reference_equals_the_full_softmax(tiny_model):
     # the policy as its own reference, in the same numerics: exactly 0 (train.py's first step)
     with torch.no_grad():
         _, _, kl_self = token_logprobs(
-            tiny_model, ids, mask, C, sampler=Sampler(temperature=T), ref=(tiny_model.lm_head, self_hidden)
+            tiny_model,
+            ids,
+            mask,
+            C,
+            sampler=Sampler(temperature=T),
+            ref=RefStates(tiny_model.lm_head, self_hidden),
         )
     assert (kl_self == 0).all()
 

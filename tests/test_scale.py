@@ -89,7 +89,7 @@ def test_lora_reference_is_the_base_model(lora4, model_dir):
     _, g = lora4
     assert g["ref"] is g["policy"] and scale.is_lora(g["policy"])
     base = logp(fresh(model_dir))
-    with g["ref_off"]():  # what train.py runs as the reference
+    with g["as_reference"]():  # what train.py runs as the reference
         assert torch.equal(logp(g["policy"]), base)
     assert (logp(g["policy"]) - base).abs().max() > 1e-4  # the adapters moved the policy
     rows = read_metrics(lora4[0])
@@ -344,7 +344,7 @@ def three_runs(model_dir, tmp_path_factory):
     fsdp = torchrun(train_args(model_dir, runs["fsdp"], *extra, "--fsdp", steps=2))
     # each group's prompt ran once through the KV cache in all three (under FSDP2 the decoder's units then
     # run twice a micro-batch: the prompt pass, the completion pass): what is compared is the shared path
-    assert g["share"] and all("prompt sharing: on" in p.stdout for p in (ddp, fsdp))
+    assert g["passes"]["share"] and all("prompt sharing: on" in p.stdout for p in (ddp, fsdp))
     return runs
 
 

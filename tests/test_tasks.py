@@ -14,7 +14,8 @@ import tasks
 from rewards import REWARDS, combine_rewards
 from extra_tasks import PROMPT as ARITH_STEPS_SYSTEM_PROMPT
 from extra_tasks import arith_step_rewards, load_arith_steps, step_positions
-from tasks import ARITH_SYSTEM_PROMPT, SYSTEM_PROMPT, TASKS, DataError, Task, load_arith, load_gsm8k
+from config import DataError
+from tasks import ARITH_SYSTEM_PROMPT, SYSTEM_PROMPT, TASKS, Task, load_arith, load_gsm8k
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -188,8 +189,8 @@ def test_arith_answers_are_right():
 def test_arith_defaults_and_bad_args():
     assert (tasks.ARITH_DIGITS, tasks.ARITH_OPS) == (1, "+-*")
     assert {e["question"].split()[3] for e in load_arith("test")} == {"+", "-", "*"}
-    with pytest.raises(ValueError, match="operator"):
-        load_arith("train", ops="+/")
+    with pytest.raises(ValueError, match="ops"):  # task_options are checked where they are bound
+        tasks.get("arith", {"ops": "+/"})
     with pytest.raises(ValueError, match="valid splits"):
         load_arith("dev")
 
@@ -233,8 +234,8 @@ def test_arith_steps_split_and_seed():
     assert tests[0] == tests[1] and trains[0] == trains[1]  # the seed never moves the split
     assert not tests[0] & trains[0]
     assert {parse(e["question"])[1] for e in load_arith_steps("test", ops="+")} == {"+"}
-    with pytest.raises(ValueError, match="operator"):
-        load_arith_steps("train", ops="+/")
+    with pytest.raises(ValueError, match="ops"):
+        extra_tasks.get("arith_steps", {"ops": "+/"})
 
 
 CHAIN = "4 * 2 = 8\n3 + 8 = 11\n11 - 5 = 6\n#### 6"  # 3 + 4 * 2 - 5

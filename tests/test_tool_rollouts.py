@@ -27,8 +27,9 @@ import torch.nn.functional as F
 import grpo
 import toy
 from conftest import DECODE, ENDOFTEXT, EOS, VOCAB, assert_close_scaled, make_tokenizer, tiny
-from rollout import Sampler, batch_logprobs, completion_hidden, sample, token_logprobs
-from tasks import TASKS, evaluate
+from rollout import RefStates, Sampler, batch_logprobs, completion_hidden, sample, token_logprobs
+from eval import evaluate
+from tasks import TASKS
 from toy import REPO, TIMING, TRAIN, WordTools, read_metrics, run_script, subprocess_env, train_args
 
 
@@ -275,7 +276,12 @@ def loss_inputs(r, model, ref):
     with torch.no_grad():
         ref_hidden = completion_hidden(ref, r.input_ids, r.attention_mask, C)  # (N, C, H)
         logp, entropy, kl = token_logprobs(
-            model, r.input_ids, r.attention_mask, C, with_entropy=True, ref=(ref.get_output_embeddings(), ref_hidden)
+            model,
+            r.input_ids,
+            r.attention_mask,
+            C,
+            with_entropy=True,
+            ref=RefStates(ref.get_output_embeddings(), ref_hidden),
         )
     noise = torch.randn(3, *logp.shape, generator=g)
     return {
@@ -299,11 +305,11 @@ def loss_and_grads(v, mask, obj, is_mode):
     adv = torch.tensor(ADV)  # (N,)
     loss, metrics = grpo.grpo_loss(
         leaves["logp"],
-        v["old"],
-        None if full else v["ref"],
-        adv,
-        mask,
-        obj,
+        old_logp=v["old"],
+        ref_logp=None if full else v["ref"],
+        advantages=adv,
+        mask=mask,
+        obj=obj,
         entropy=leaves["entropy"],
         kl=leaves["kl"] if full else None,
         sample_logp=v["sample"],
@@ -391,15 +397,15 @@ def test_reply_positions_send_no_gradient_to_the_weights(rollout_with_replies, k
             r.attention_mask,
             C,
             with_entropy=True,
-            ref=(ref.get_output_embeddings(), ref_hidden) if full else None,
+            ref=RefStates(ref.get_output_embeddings(), ref_hidden) if full else None,
         )
         loss, _ = grpo.grpo_loss(
             logp,
-            v["old"],
-            None if full else v["ref"],
-            torch.tensor(ADV),
-            r.completion_mask,
-            obj,
+            old_logp=v["old"],
+            ref_logp=None if full else v["ref"],
+            advantages=torch.tensor(ADV),
+            mask=r.completion_mask,
+            obj=obj,
             entropy=entropy,
             kl=kl,
             sample_logp=v["sample"],
@@ -775,7 +781,7 @@ class LossMasks:
         self.masks, real = [], grpo.grpo_loss
 
         def spy(*args, **kw):
-            self.masks.append(args[4].detach().clone())
+            self.masks.append(kw["mask"].detach().clone())
             return real(*args, **kw)
 
         monkeypatch.setattr(grpo, "grpo_loss", spy)

@@ -749,11 +749,10 @@ def feedback_rollout():
     right; wrong, then right and cut; wrong twice; wrong after 10 words and stopped with 11 tokens left (the budget
     ends inside the 15-token reply WRONG); wrong and cut; right after 21 words, its stop the budget's last token ->
     (tokenizer, task, examples, scripts, Rollout)."""
-    import tasks
 
     tok = tags_tokenizer()
     tok.add_tokens([AddedToken(w, single_word=True) for w in FEEDBACK_WORDS])
-    task = tasks.get("arith_retry")
+    task = extra_tasks.get("arith_retry")
     right, wrong, w1 = ids(tok, "#### 36"), ids(tok, "#### 12"), ids(tok, "w1")
     scripts = [
         right + [EOS],
@@ -773,11 +772,11 @@ def feedback_rollout():
 
 def test_feedback_reward_is_the_eval_score_on_cut_stopped_and_retried_rows():
     """arith_retry's reward (the environment's judgement of the last attempt) against eval.py's score of the same
-    rows (tasks.evaluate, the same model and environment) and the hand values: the last attempt's `#### N` is right
+    rows (eval.evaluate, the same model and environment) and the hand values: the last attempt's `#### N` is right
     in rows 0-3 and 7. Fails if FeedbackEnv judges an answer only at a stop token (defect 1 of issue 42: a right last
     attempt cut by the budget, or a single right answer that never stops, got final_correct 0 while eval counted it
     strict-correct), if reward and eval read different attempts, or if `truncated` or a trajectory is off."""
-    from tasks import evaluate
+    from eval import evaluate
 
     tok, task, examples, scripts, r = feedback_rollout()
     reward = task.reward_fns["correct"](r.completions, **r.reward_fields())
