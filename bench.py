@@ -235,8 +235,9 @@ def ours_child(out):
         + (["--ref-device", args.ref_device] if args.ref_device else [])
     )
     sys.path.insert(0, args.src)  # train.py imports --src's modules: bench's own are dropped
-    for name in ("run", "models"):
-        sys.modules.pop(name, None)
+    for name, module in list(sys.modules.items()):
+        if os.path.dirname(os.path.abspath(getattr(module, "__file__", None) or "/")) == HERE:
+            sys.modules.pop(name)
     import tasks
 
     tasks.TASKS["gsm8k"] = bench_task()
