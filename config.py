@@ -206,7 +206,7 @@ def parse(p, load_checkpoint, argv=None):
         if args.steps <= ckpt["step"]:
             p.error(f"--resume {resume}: the checkpoint is at step {ckpt['step']}; pass --steps > {ckpt['step']}")
         for k, d in decls.items():
-            if d.knob.resume == FIXED and k in saved and saved[k] != getattr(args, k):
+            if d.knob.resume == FIXED and k in saved and absolute(saved[k], d) != getattr(args, k):  # paths: the places
                 p.error(
                     f"--resume {resume}: the run was trained with {where(d)} {saved[k]!r}, not {getattr(args, k)!r}; "
                     f"{where(d)} is {FIXED}: drop that value or start a new --out-dir"

@@ -335,3 +335,23 @@ def test_the_readme_lists_each_knob_under_its_resume_class():
     for cls in (config.FIXED, config.NEVER):
         assert listed[cls] == {k for k, d in DECLS.items() if d.knob.resume == cls}, cls
     assert {d.knob.resume for k, d in DECLS.items() if k not in set().union(*listed.values())} == {config.CHANGES}
+
+
+def test_a_fixed_path_is_compared_as_the_place_it_names(tmp_path, monkeypatch):
+    """A fixed path knob given on resume as another spelling of the run's folder (relative, from another directory)
+    is the same value: accepted; another folder is refused. Fails if the check compares the strings as typed (a
+    config file's relative data_dir refused on the run it made), or if a run saved with a relative path (written
+    before paths were made absolute) is refused on a resume that gives no path at all."""
+    data = tmp_path / "data"
+    data.mkdir()
+    run_dir, _ = fake_run(tmp_path, data_dir=str(data))
+    monkeypatch.chdir(tmp_path)
+    assert resume(run_dir, "--data-dir", "data").data_dir == str(data)
+    with pytest.raises(SystemExit):
+        resume(run_dir, "--data-dir", str(tmp_path))
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "run.json").write_text("{}")
+    saved = {**vars(train_parser()[1]), "out_dir": str(old), "data_dir": "data"}  # relative, as typed
+    torch.save({"config": saved, "step": 1}, old / "ckpt.pt")
+    assert resume(str(old)).data_dir == str(data)
