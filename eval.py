@@ -18,19 +18,15 @@ as a running mean over --smooth steps, --eval-key (eval/strict_acc if logged) as
 
 import argparse
 import ast
-import copy
 import dataclasses
 import importlib
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
 
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM
 
 import config
 import run
@@ -204,7 +200,7 @@ def main():
     p.add_argument("--split", default="test", choices=["train", "test"])
     p.add_argument("--limit", type=int, default=None, help="first N examples of the split (default: all)")
     p.add_argument("--n", type=int, default=1, help="samples per question; 1 = greedy")
-    p.add_argument("--temperature", type=float, default=1.0, help="used when --n > 1")
+    p.add_argument("--temperature", type=float, default=Sampler.temperature, help="used when --n > 1")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-size", type=int, default=32, help="completions decoded together")
     p.add_argument("--device", default="auto")
@@ -374,53 +370,12 @@ def export(p, args, given):
     if args.adapter and not cfg.get("lora_rank"):
         p.error(f"--adapter: {args.ckpt} is a full fine-tune, not a LoRA run; drop --adapter")
     name = "bfloat16" if args.dtype == "auto" else args.dtype  # a file format, not this machine's compute
+    from export import export_hf  # the folder's writing: export.py (train.py's export at the end uses it too)
+
     failed = export_hf(model, tok, args.export, DTYPES[name], adapter=args.adapter)
     if failed:
         sys.exit(f"error: {failed}")
     print(f"exported {args.ckpt} ({'adapter' if args.adapter else name}) to {args.export}")
-
-
-def export_hf(model, tokenizer, path, dtype, adapter=False, state_dict=None):
-    """Write `model` as a folder AutoModelForCausalLM.from_pretrained loads -> None, or a one-line reason it
-    could not (the previous export kept). Weights in `dtype`; a LoRA model merged into its base first
-    (peft's merge_and_unload, in place), or with adapter=True saved as a peft adapter folder. state_dict:
-    a sharded model's gathered weights. Written into a temp directory beside path, then renamed."""
-    parent = os.path.dirname(os.path.abspath(path))
-    tmp = old = None
-    try:
-        os.makedirs(parent, exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".hf.", dir=parent)
-        if adapter:
-            model.save_pretrained(tmp)
-        else:
-            if hasattr(model, "merge_and_unload"):
-                model, state_dict = model.merge_and_unload(), None
-            with torch.device("meta"):  # a plain model of the weights in `dtype`: no random init, no extra copy
-                plain = AutoModelForCausalLM.from_config(copy.deepcopy(model.config), dtype=dtype)
-            weights = model.state_dict() if state_dict is None else state_dict
-            plain.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True)
-            plain.tie_weights()  # tied keys were assigned one by one: one tensor again
-            plain.generation_config = copy.deepcopy(model.generation_config)
-            plain.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        open(os.path.join(tmp, run.EXPORT_MARK), "w").close()
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private
-        if os.path.exists(path):
-            old = path + ".old"
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        tmp = None
-        run.remove(old)
-        return None
-    except BaseException as e:
-        run.remove(tmp)
-        if old and not os.path.exists(path) and os.path.exists(old):
-            os.replace(old, path)  # put the previous export back
-        if not isinstance(e, Exception):
-            raise
-        why = e.strerror if isinstance(e, OSError) and e.strerror else f"{type(e).__name__}: {str(e)[:120]}"
-        return f"could not write {path} ({why}); the previous export there is kept"
 
 
 if __name__ == "__main__":

@@ -454,7 +454,7 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
 run_eval(args.steps)
 state = scale.full_state_dict(policy) if args.fsdp and args.export != "none" else None  # every rank gathers
 if master and args.export != "none":  # last: a LoRA policy is merged into its base in place
-    from eval import export_hf
+    from export import export_hf
 
     hf_dir = os.path.join(args.out_dir, "hf")
     export_failed = export_hf(policy, tokenizer, hf_dir, dtype, adapter=args.export == "adapter", state_dict=state)
