@@ -115,7 +115,7 @@ def train_pass():
     if once is not None:
         block = once(torch.device("cpu"))
     with block:
-        for rows, ids, mask, c, _ in rollout.micro_batches(r, 4):
+        for rows, ids, mask, c, *_ in rollout.micro_batches(r, 4):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 logp, entropy, _ = rollout.token_logprobs(model, ids, mask, c, with_entropy=True, share=True)
             (logp * r.completion_mask[rows, :c]).sum().backward()

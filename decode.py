@@ -9,6 +9,7 @@ reads or writes has a fixed address; the host reads `done` every CHECK_EVERY tok
 (problem()) decodes a few tokens captured and eagerly, and the sampler falls back to rollout.decode_dynamic in one
 line where they differ (a fork's hook or a module whose Python runs each call, which a replay would not rerun)."""
 
+import importlib
 import itertools
 import weakref
 from dataclasses import dataclass
@@ -54,11 +55,12 @@ class Step:
     out: tuple  # token, log-prob, own, reply (N, T + 1): at each row's k-th fed token, column k; T a scratch column
     cache: RowCache
     P: int  # the cache's first completion column
+    kept: torch.Tensor | None  # (N, T + 1, V/8) uint8: the sampler's kept set at each output column (None: all)
 
 
-def _start(cache, logits, mask, u):
+def _start(cache, logits, mask, u, sampler):
     """Step buffers from a prefill: `cache` (a DynamicCache over B prompts) copied G times into a static one."""
-    (B, P), (N, T) = mask.shape, u.shape
+    (B, P), (N, T), V = mask.shape, u.shape, logits.size(-1)
     G, device = N // B, u.device
     L = -(-(P + T + SCRATCH) // 16) * 16  # whole 16-column blocks: the attention kernels' alignment
     keys, values = [], []
@@ -87,6 +89,7 @@ def _start(cache, logits, mask, u):
         out=out,
         cache=RowCache(keys, values, col),
         P=P,
+        kept=torch.zeros(N, T + 1, -(-V // 8), dtype=torch.uint8, device=device) if sampler.truncates else None,
     )
 
 
@@ -109,7 +112,7 @@ def draw(s, sampler, stop, pad_id, env=None):
     """Each row's next token from its logits and its next uniform (an environment may replace it: a reply's token,
     or a hole), written at the row's own output column; the bookkeeping of rollout.decode_dynamic, in place."""
     T = s.u.size(1)
-    scaled = sampler.logits(s.logits)  # (N, V)
+    scaled, kept = sampler.truncated(s.logits)  # (N, V); kept (N, V) bool or None
     ut = s.u.gather(1, s.used[:, None].clamp(max=T - 1)).squeeze(1)  # (N,) by the row's own count
     tok = rollout.sample_from_logits(scaled, ut) if sampler.temperature else scaled.argmax(-1)  # (N,)
     own, tok = ~s.done, tok.masked_fill(s.done, pad_id)  # (N,)
@@ -122,6 +125,9 @@ def draw(s, sampler, stop, pad_id, env=None):
     at = torch.where(fed, s.used, T)[:, None]  # (N, 1) its next output column, else the scratch one
     for buf, x in zip(s.out, (tok, logp, own, reply)):
         buf.scatter_(1, at, x[:, None])
+    if kept is not None:  # the set the trainer scores under, with the token fed (a reply's) in it
+        bits = importlib.import_module("variants").pack(kept.scatter(1, tok[:, None], True))  # (N, V/8)
+        s.kept.scatter_(1, at[..., None].expand(-1, -1, bits.size(1)), bits[:, None])
     s.tok.copy_(tok)
     s.fed.copy_(fed)
     s.used += fed
@@ -137,7 +143,7 @@ def step(model, s, sampler, stop, pad_id):
 
 def _finish(s):
     C = int(s.used.max())
-    return *(buf[:, :C] for buf in s.out), s.ended
+    return *(buf[:, :C] for buf in s.out), s.ended, None if s.kept is None else s.kept[:, :C]
 
 
 def _autocast(model, dtype):  # autocast's cache of weight casts off: a captured cast reads the live weights
@@ -149,7 +155,7 @@ def _autocast(model, dtype):  # autocast's cache of weight casts off: a captured
 
 def decode_static(model, cache, logits, mask, u, *, sampler, stop, pad_id, env, dtype):
     """DECODE["static"]: decode_dynamic's loop on a static cache, each step run eagerly."""
-    s = _start(cache, logits, mask, u)
+    s = _start(cache, logits, mask, u, sampler)
     with torch.no_grad(), _autocast(model, dtype):
         draw(s, sampler, stop, pad_id, env)
         while not bool(s.done.all()):
@@ -170,7 +176,7 @@ def decode_graph(model, cache, logits, mask, u, *, sampler, stop, pad_id, env, d
 
 
 def _replayed(model, cache, logits, mask, u, *, sampler, stop, pad_id, env, dtype):
-    s = _start(cache, logits, mask, u)
+    s = _start(cache, logits, mask, u, sampler)
     with torch.no_grad(), _autocast(model, dtype):
         draw(s, sampler, stop, pad_id, env)
         graph = _capture(model, s, sampler, stop, pad_id, env)  # after two real steps (the warm-up)

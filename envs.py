@@ -25,6 +25,22 @@ from transformers.utils import get_json_schema
 import sandbox
 from rewards import RewardError
 
+
+def tool_reward(completions, tool_calls, tool_errors, **_):
+    """1.0 where a tool call ran (a call answered with an error aside): a push towards calling."""
+    return [float(c > e) for c, e in zip(tool_calls, tool_errors)]
+
+
+def tool_cost(completions, tool_calls, **_):
+    """-1 per tool call (errors and refusals count): with a small weight, a price on calling that only a right
+    answer without the tool avoids."""
+    return [-float(c) for c in tool_calls]
+
+
+# what --reward-weights NAME=W switches on for any task with an environment, beside rewards.REWARDS (train.py)
+REWARDS = {"tool": tool_reward, "tool_cost": tool_cost}
+
+
 MAX_CHARS, MAX_DIGITS, MAX_EXPONENT = 200, 100, 64  # far beyond word-problem arithmetic; each op stays instant
 OPS = {
     ast.Add: operator.add,

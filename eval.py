@@ -124,6 +124,13 @@ def evaluate(
     return summary, records
 
 
+def log_eval(model, tokenizer, task, examples, step, log, **sampling):
+    """evaluate() during training: its summary printed and written to the run's MetricsLog as eval/* at `step`."""
+    summary, _ = evaluate(model, tokenizer, task, examples, **sampling)
+    tqdm.write(f"eval step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in summary.items()))
+    log.write({"step": step, **{f"eval/{k}": v for k, v in summary.items()}})
+
+
 def fresh(path):
     """path, or where it exists path's stem with -1, -2, ...: what a tool writes by default replaces nothing."""
     stem, ext = os.path.splitext(path)

@@ -1,6 +1,6 @@
 """Tasks off the default path, imported only when one is named (`get`); each a `tasks.Task`:
 - arith_steps: "What is 3 + 4 * 2 - 5?", a reward per line, for process supervision (DeepSeekMath §4.1.3): the step
-  rewards and the token each step ends on (`step_positions`, for grpo.process_advantages).
+  rewards and the token each step ends on (`step_positions`, for variants.process_advantages).
 - arith_tool: "What is 482 * 937?" with a calculator (envs.py); arith_mul: the same without it; arith_tool_mixed: half
   of them one-digit products a 135M model does alone (each example's "difficulty": "easy" / "hard").
 - arith_retry: arith with feedback (envs.FeedbackEnv): a wrong answer is told so and tried again, max_attempts in all;
@@ -92,7 +92,7 @@ def arith_step_rewards(completion, example):
 
 
 def step_positions(step_rewards, tokenizer, r):
-    """Steps as tensors for grpo.process_advantages: row i of the Rollout r has the steps step_rewards(its completion,
+    """Steps as tensors for variants.process_advantages: row i of the Rollout r has the steps step_rewards(its output,
     its example), each ending on the token that holds its last character among its own tokens before its stop token
     -> ends (N, S) long, values (N, S), mask (N, S) bool (False: padding; S: the most steps of a row). That token is the
     first whose decoded prefix holds the text up to char_end: exact whatever a tokenizer does to bytes and spaces (a

@@ -2,12 +2,17 @@
 its options. A flag's choices are a dict of name -> small function: a fork adds an entry; README lists the departures. N
 rows, contiguous groups of G (prompt i owns rows i*G ... i*G+G-1), T completion tokens; mask (N, T) True if valid."""
 
+import importlib
 from dataclasses import dataclass
 from typing import Annotated
 
 import torch
 
 from config import Knob, declared, flag, problem, where
+
+
+def _variant(name):  # variants.py's `name`, imported at its first call: a run that names no variant never reads it
+    return lambda *args, **kwargs: getattr(importlib.import_module("variants"), name)(*args, **kwargs)
 
 
 def _check(ok, message):
@@ -51,12 +56,6 @@ def informative_groups(rewards, group_size):
     return (r != r[:, :1]).any(1)  # (N/G,); exact, not std == 0: the float mean of equal values need not equal them
 
 
-def pick_groups(informative, count):
-    """DAPO dynamic sampling (arXiv 2503.14476 §3.2): the first `count` informative groups, topped up with the last flat
-    ones (the caller masks them). informative (groups,) bool, in sampling order -> sorted group indices (count,)"""
-    return torch.cat([informative.nonzero(), (~informative).nonzero().flip(0)])[:count, 0].sort().values
-
-
 ADVANTAGES = {  # --scale-rewards: fn(a group's rewards (N/G, G), eps) -> advantages (N/G, G)
     "group": lambda r, eps: (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps),  # unbiased (§4.1.2, TRL)
     "batch": lambda r, eps: (r - r.mean(1, keepdim=True)) / (r.std() + eps),  # all N's std (Lite PPO, 2508.08221)
@@ -75,25 +74,10 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4):
     return torch.where(flat, 0.0, adv).view(-1), flat.float().mean()  # (N,), 0-dim
 
 
-def process_advantages(step_rewards, step_ends, step_mask, group_size, seq_len, eps=1e-4):
-    """Process supervision (DeepSeekMath §4.1.3): step j of an output ends at token step_ends[j] with reward r_j;
-    r~_j = (r_j - mean) / (std + eps) over the valid steps of the group's G outputs (unbiased std), A_t = sum of r~_j
-    over steps with step_ends[j] >= t. step_rewards, step_ends (long), step_mask (N, S) -> advantages (N, seq_len)"""
-    _check_shape(step_rewards.shape, step_ends=step_ends, step_mask=step_mask)
-    N, S = step_rewards.shape
-    _check_groups(N, group_size)
-    m = step_mask.bool()
-    _check(not (((step_ends < 0) | (step_ends >= seq_len)) & m).any(), f"step_ends must lie in [0, seq_len={seq_len})")
-    r = _up(step_rewards).reshape(-1, group_size * S)  # (N/G, G*S)
-    gm = m.reshape(-1, group_size * S)  # (N/G, G*S)
-    count = gm.sum(1, keepdim=True)  # (N/G, 1)
-    mean = torch.where(gm, r, 0).sum(1, keepdim=True) / count.clamp(min=1)  # (N/G, 1)
-    dev = torch.where(gm, r - mean, 0)  # (N/G, G*S)
-    std = (dev.pow(2).sum(1, keepdim=True) / (count - 1).clamp(min=1)).sqrt()  # (N/G, 1)
-    first = r.gather(1, gm.int().argmax(1, keepdim=True))  # (N/G, 1): each group's first valid reward
-    norm = torch.where(((r != first) & gm).any(1, keepdim=True), dev / (std + eps), 0.0).view(N, S)  # (N, S); flat: 0
-    per_token = r.new_zeros(N, seq_len).scatter_add_(1, torch.where(m, step_ends, 0), torch.where(m, norm, 0))
-    return per_token.flip(1).cumsum(1).flip(1)  # (N, T): each step's r~ on its last token, summed from t on
+REWARD_AGGREGATIONS = {  # multi_objective_aggregation: fn(rewards (N, K), their sum (N,), weights (K,), G, scale)
+    "sum_then_normalize": lambda rewards, total, weights, G, scale: group_advantages(total, G, scale),
+    "normalize_then_sum": lambda rewards, total, weights, G, scale: _variant("normalize_then_sum")(rewards, weights, G),
+}
 
 
 # --- the importance ratio and the surrogates
@@ -123,21 +107,13 @@ def clipped_surrogate(ratio, advantages, *, eps=0.2, eps_high=None, delta=None, 
     return torch.minimum(ratio * advantages, clipped)
 
 
-def cispo_surrogate(ratio, advantages, *, logp, cispo_cap=5.0, **_):
-    """CISPO (MiniMax-M1, https://arxiv.org/abs/2506.13585 §3.1 eq. 4-5), to maximise sg(min(rho, cap)) A log pi: the
-    weight is detached, a clipped token keeps its gradient; no lower bound. ratio, logp (N, T), A (N, 1|T) -> (N, T)"""
-    return ratio.clamp(max=cispo_cap).detach() * advantages * logp
-
-
-def sapo_surrogate(ratio, advantages, *, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, **_):
-    """SAPO (https://arxiv.org/abs/2511.20347 §3), to maximise f(rho) A, f(x) = sigmoid(tau (x - 1)) 4 / tau with
-    tau = tau_pos if A > 0 else tau_neg: a soft gate for the clip, f'(1) = 1. ratio (N, T), A (N, 1|T) -> (N, T)"""
-    tau = torch.where(advantages > 0, ratio.new_tensor(sapo_temperature_pos), sapo_temperature_neg)  # in ratio's dtype
-    return torch.sigmoid(tau * (ratio - 1)) * 4 / tau * advantages
-
-
-# fn(ratio, A, *, logp, **Objective's fields) -> (N, T), to maximise; each takes the options it names
-SURROGATES = {"clip": clipped_surrogate, "cispo": cispo_surrogate, "sapo": sapo_surrogate}
+SURROGATES = {  # fn(ratio, A, *, logp, mask, behaviour: w or None, **Objective's fields) -> (N, T), to maximise
+    "clip": clipped_surrogate,
+    "cispo": _variant("cispo_surrogate"),
+    "sapo": _variant("sapo_surrogate"),
+    "vespo": _variant("vespo_surrogate"),
+}
+FOLDS_BEHAVIOUR = ("vespo",)  # surrogates that take the behaviour weights into their own weight
 
 
 # --- the KL to the reference, the sampler correction, entropy
@@ -165,18 +141,19 @@ def kl_estimate(logp, ref_logp, estimator="k3_clamped"):
     return KL_ESTIMATORS[estimator](_up(ref_logp) - _up(logp))
 
 
-BEHAVIOUR_MODES = {  # --is-mode: fn(w = pi_train / pi_sample (N, T), per token or, sequence_*, the row's; cap) -> w'
-    "none": lambda w, cap: torch.ones_like(w),
-    "token_truncate": lambda w, cap: w.clamp(max=cap),  # TIS
-    "token_mask": lambda w, cap: torch.where(w > cap, 0.0, w),
-    "sequence_truncate": lambda w, cap: w.clamp(max=cap),  # the row's product of ratios (TRL's, not GSPO's mean)
-    "sequence_mask": lambda w, cap: torch.where(w > cap, 0.0, w),
+BEHAVIOUR_MODES = {  # --is-mode: fn(w = pi_train / pi_sample (N, T), the token's or (sequence_*) the row's; low, cap)
+    "none": lambda w, low, cap: torch.ones_like(w),
+    "token_truncate": lambda w, low, cap: w.clamp(low, cap),  # TIS
+    "token_mask": lambda w, low, cap: torch.where((w < low) | (w > cap), 0.0, w),
+    "sequence_truncate": lambda w, low, cap: w.clamp(low, cap),  # the row's product of ratios (TRL's, not GSPO's mean)
+    "sequence_mask": lambda w, low, cap: torch.where((w < low) | (w > cap), 0.0, w),
 }
 
 
-def behaviour_weights(train_logp, sample_logp, mask, mode="token_truncate", cap=2.0):
+def behaviour_weights(train_logp, sample_logp, mask, mode="token_truncate", cap=2.0, low=0.0):
     """Sampler/trainer mismatch (TIS, https://fengyao.notion.site/off-policy-rl; TRL vllm_importance_sampling_mode): w =
-    BEHAVIOUR_MODES[mode] of exp(d_t), d_t = train_logp_t - sample_logp_t (sequence_*: exp(sum_t m_t d_t), the row's). A
+    BEHAVIOUR_MODES[mode] of exp(d_t) between low (is_cap_min, TRL's clip_min; 0: none) and cap, d_t = train_logp_t -
+    sample_logp_t (sequence_*: exp(sum_t m_t d_t), the row's). A
     NaN stays NaN: the sampler scores every token, so it is a bug. (N, T) each -> (w (N, T), 1 at padding; 0-dim
     metrics: is_capped, the share of valid tokens whose w is not their ratio, dlogp_mean/p99/max of |d_t|), detached"""
     _check_choice("--is-mode", mode, BEHAVIOUR_MODES)
@@ -185,7 +162,7 @@ def behaviour_weights(train_logp, sample_logp, mask, mode="token_truncate", cap=
     with torch.no_grad():
         d = torch.where(mask, _up(train_logp) - _up(sample_logp), 0.0)  # (N, T); padding garbage out
         ratio = (d.sum(1, keepdim=True).expand_as(d) if mode.startswith("sequence") else d).exp()  # (N, T)
-        w = torch.where(mask, BEHAVIOUR_MODES[mode](ratio, cap), 1.0)  # (N, T)
+        w = torch.where(mask, BEHAVIOUR_MODES[mode](ratio, low, cap), 1.0)  # (N, T)
         a, n = d.abs(), mask.sum().clamp(min=1)  # (N, T), 0-dim; metrics with no host sync
         p99 = torch.nanquantile(torch.where(mask, a, torch.nan).flatten(), 0.99)  # nanquantile skips padding
         return w, {
@@ -196,34 +173,13 @@ def behaviour_weights(train_logp, sample_logp, mask, mode="token_truncate", cap=
         }
 
 
-def full_kl(logits, ref_logits, mask=None):
-    """Exact per-token KL(pi || pi_ref) = sum_v pi(v) (log pi(v) - log pi_ref(v)) in fp32; a token both give p = 0 adds
-    0. The caller bounds memory (a chunk). logits, ref_logits (N, T, V), mask (N, T) or None -> (N, T)"""
-    _check_shape(logits.shape, ref_logits=ref_logits)
-    logq, logq_ref = _up(logits).log_softmax(-1), _up(ref_logits).log_softmax(-1)  # (N, T, V)
-    kl = torch.where(logq > -torch.inf, logq.exp() * (logq - logq_ref), 0.0).sum(-1)  # (N, T)
-    return kl if mask is None else torch.where(mask.bool(), kl, 0.0)
-
-
-def top_entropy_mask(entropy, mask, quantile):
-    """The policy term on high-entropy "forking" tokens only (https://arxiv.org/abs/2506.01939): valid tokens with
-    H_t >= the (1 - quantile) quantile over them (linear, as TRL; 0.2: top 20%). entropy, mask (N, T) -> bool (N, T)"""
-    _check(0 < quantile <= 1, f"top_entropy_quantile must be in (0, 1], got {quantile}")
-    _check_shape(entropy.shape, mask=mask)
-    mask = mask.bool()
-    if quantile == 1:
-        return mask
-    h = torch.where(mask, _up(entropy.detach()), torch.nan)  # (N, T)
-    threshold = torch.nanquantile(h.flatten(), 1 - quantile)  # nan quantile skips padding, no host sync
-    return mask & (h >= threshold)
-
-
 # --- aggregation and the loss: fn(l (N, T), 0 at padding, mask, num_sequences, num_tokens, max_new_tokens) -> 0-dim
 AGGREGATIONS = {
     "grpo": lambda x, m, n_seq, n_tok, L: (x.sum(1) / m.sum(1).clamp(min=1)).sum() / n_seq,  # eq. 3: mean over o_i
     "bnpo": lambda x, m, n_seq, n_tok, L: x.sum() / m.sum().clamp(min=1) * (m.size(0) / n_seq),  # TRL's
     "dr_grpo": lambda x, m, n_seq, n_tok, L: x.sum() / (n_seq * L),  # Dr. GRPO, arXiv 2503.20783 §3.2
     "dapo": lambda x, m, n_seq, n_tok, L: x.sum() / torch.as_tensor(n_tok).clamp(min=1),  # DAPO eq. 8; CISPO eq. 4
+    "luspo": lambda x, m, n_seq, n_tok, L: x.sum() / n_seq,  # a row's loss times its length (LUSPO, 2602.05261)
 }
 LOSS_TYPES = {  # --loss-type, TRL's names: (surrogate, aggregation); config key aggregation pairs another with it
     "grpo": ("clip", "grpo"),
@@ -232,6 +188,8 @@ LOSS_TYPES = {  # --loss-type, TRL's names: (surrogate, aggregation); config key
     "dapo": ("clip", "dapo"),
     "cispo": ("cispo", "dapo"),
     "sapo": ("sapo", "grpo"),
+    "luspo": ("clip", "luspo"),  # GSPO's ratio: --importance-level sequence
+    "vespo": ("vespo", "dapo"),
 }
 
 
@@ -264,10 +222,22 @@ class Objective:
     top_entropy_quantile: Annotated[float, flag("(0, 1]", "train only the top-rho entropy tokens")] = 1.0
     is_mode: Annotated[str, flag(BEHAVIOUR_MODES, "pi_train / pi_sample")] = "token_truncate"
     is_cap: Annotated[float, Knob("> 0", "--is-mode's C (TIS: 2)")] = 2.0
+    is_cap_min: Annotated[float | None, Knob("> 0", "--is-mode's lower bound (TRL's clip_min); None: none")] = None
     aggregation: Annotated[str | None, Knob(AGGREGATIONS, "pairs --loss-type's surrogate with another one")] = None
     cispo_cap: Annotated[float, Knob(">= 1", "CISPO's cap (TRL's docs: 5, as ScaleRL's eps_max)")] = 5.0
     sapo_temperature_pos: Annotated[float, Knob("> 0", "SAPO's tau for A > 0")] = 1.0
     sapo_temperature_neg: Annotated[float, Knob("> 0", "SAPO's tau for A < 0")] = 1.05
+    vespo_k_pos: Annotated[float, Knob(">= 0", "VESPO's k for A >= 0")] = 2.0
+    vespo_lambda_pos: Annotated[float, Knob("> 0", "VESPO's lambda for A >= 0")] = 3.0
+    vespo_k_neg: Annotated[float, Knob(">= 0", "VESPO's k for A < 0")] = 3.0
+    vespo_lambda_neg: Annotated[float, Knob("> 0", "VESPO's lambda for A < 0")] = 2.0
+    off_policy_mask_threshold: Annotated[float | None, Knob(">= 0", "DeepSeek-V3.2's delta; None: off")] = None
+    use_bias_correction_kl: Annotated[bool, Knob(None, "the KL term times rho (DeepSeek-V3.2)")] = False
+    use_adaptive_entropy: Annotated[bool, Knob(None, "entropy_coef steered to entropy_target (Skywork-OR1)")] = False
+    entropy_target: Annotated[float, Knob(">= 0", "use_adaptive_entropy's target entropy")] = 0.2
+    entropy_coef_delta: Annotated[float, Knob(">= 0", "use_adaptive_entropy's step")] = 0.005
+    entropy_coef_min: Annotated[float, Knob(">= 0", "use_adaptive_entropy's lowest coef")] = 0.0
+    entropy_coef_max: Annotated[float, Knob(">= 0", "use_adaptive_entropy's highest coef")] = 1.0
     max_new_tokens: int | None = None  # dr_grpo's divisor: train.py's --max-new-tokens
 
     def __post_init__(self):
@@ -282,6 +252,12 @@ class Objective:
             self.surrogate == "clip" or (self.delta is None and eh == self.eps),  # TRL ignores them
             f"--loss-type {self.loss_type} does not clip: drop --delta and --eps-high (cispo's bound is cispo_cap)",
         )
+        level = {"luspo": "sequence", "vespo": "token"}.get(self.loss_type, self.importance_level)  # LUSPO: GSPO's
+        _check(level == self.importance_level, f"--loss-type {self.loss_type} needs --importance-level {level}")
+        folds = self.surrogate in FOLDS_BEHAVIOUR and self.is_mode.startswith("sequence")  # a row's w on every token
+        _check(not folds, f"--loss-type {self.loss_type} folds --is-mode per token: not {self.is_mode}; token_*, none")
+        _check(self.is_cap_min is None or self.is_cap_min < self.is_cap, f"is_cap_min must be < is_cap {self.is_cap}")
+        _check(self.entropy_coef_min <= self.entropy_coef_max, "entropy_coef_min must be <= entropy_coef_max")
 
     @property
     def surrogate(self):  # the SURROGATES entry --loss-type names
@@ -302,11 +278,11 @@ def grpo_loss(
     num_sequences=None,
     num_tokens=None,
 ):
-    """DeepSeekMath eq. 3: l_t = -S_t e_t w_t + beta KL_t - entropy_coef H_t (as TRL), aggregated by obj.aggregation:
-    S_t = SURROGATES[obj.surrogate], e_t = top_entropy_mask, w_t = behaviour_weights(old_logp, sample_logp) or 1. (N, T)
-    each: logp, old_logp (None: logp.detach(), mu=1), ref_logp or kl (kl_estimator="full": full_kl's, with grad),
-    entropy, sample_logp; advantages (N,) or (N, T) -> (loss, detached 0-dim metrics over valid tokens: clip_low/high,
-    clip (cispo: rho > cispo_cap, A > 0, as TRL), kl, kl_max, entropy, is_capped, ratio_mean/min/max)"""
+    """DeepSeekMath eq. 3: l_t = -S_t e_t w_t o_t + beta KL_t (x rho: use_bias_correction_kl) - entropy_coef H_t
+    (as TRL), by obj.aggregation: S_t = SURROGATES[obj.surrogate], e_t = top_entropy_mask, w_t = behaviour_weights
+    (old_logp, sample_logp) or 1 (VESPO folds it in), o_t = off_policy_keep or 1. (N, T) each: logp, old_logp
+    (None: logp.detach()), ref_logp or kl (kl_estimator="full": full_kl's, with grad), entropy, sample_logp; A (N,)
+    or (N, T) -> (loss, detached 0-dim metrics: clip_low/high, clip, kl, kl_max, entropy, is_capped, ...)"""
     _check(logp.dim() == 2, f"logp must have shape (N, T), got {tuple(logp.shape)}")
     N, T = logp.shape
     _check_shape((N, T) if advantages.dim() == 2 else (N,), advantages=advantages)
@@ -324,14 +300,22 @@ def grpo_loss(
     old_logp = logp.detach() if old_logp is None else old_logp
     adv = _up(advantages)[:, None] if advantages.dim() == 1 else torch.where(mask, _up(advantages), 0.0)  # (N, 1|T)
     ratio = importance_ratio(logp, old_logp, mask, obj.importance_level)  # (N, T)
-    per_token = -SURROGATES[obj.surrogate](ratio, adv, logp=logp, **vars(obj))  # (N, T)
+    w = None  # the sampler's numerics differ from the trainer's: the policy term reweighted by w
+    if sample_logp is not None:
+        w, w_metrics = behaviour_weights(old_logp, sample_logp, mask, obj.is_mode, obj.is_cap, obj.is_cap_min or 0.0)
+    per_token = -SURROGATES[obj.surrogate](ratio, adv, logp=logp, mask=mask, behaviour=w, **vars(obj))  # (N, T)
     if obj.top_entropy_quantile < 1:
-        per_token = per_token * top_entropy_mask(entropy, mask, obj.top_entropy_quantile)
-    if sample_logp is not None:  # the sampler's numerics differ from the trainer's: reweight the policy term
-        w, w_metrics = behaviour_weights(old_logp, sample_logp, mask, obj.is_mode, obj.is_cap)
+        per_token = per_token * _variant("top_entropy_mask")(entropy, mask, obj.top_entropy_quantile)
+    if w is not None and obj.surrogate not in FOLDS_BEHAVIOUR:
         per_token = per_token * torch.where(mask, w, 0.0)
+    if obj.off_policy_mask_threshold is not None:  # the sampler's log-probs where given, else the old policy's
+        on = sample_logp if sample_logp is not None else old_logp
+        keep = _variant("off_policy_keep")(adv, logp, on, mask, obj.off_policy_mask_threshold)  # (N, 1|T)
+        per_token = per_token * keep
     if obj.beta > 0:  # a caller's full KL may hold garbage at padding: aggregate and the metrics mask it
         kl = _up(kl) if full else kl_estimate(logp, torch.where(mask, _up(ref_logp), 0.0), obj.kl_estimator)  # (N, T)
+        if obj.use_bias_correction_kl:  # rho is 1 on-policy in value, not in gradient: the reverse KL's
+            kl = kl * ratio
         per_token = per_token + obj.beta * kl
     if obj.entropy_coef != 0:
         per_token = per_token - obj.entropy_coef * torch.where(mask, _up(entropy), 0.0)
@@ -354,5 +338,8 @@ def grpo_loss(
             metrics["entropy"] = _mean(_up(entropy), mask)
         if sample_logp is not None:
             metrics["is_capped"] = w_metrics["is_capped"]
+        if obj.off_policy_mask_threshold is not None:  # the share of rows with a token masked
+            rows = mask.any(1)  # (N,)
+            metrics["off_policy_masked"] = ((~keep & mask).any(1) & rows).sum() / rows.sum().clamp(min=1)
         metrics.update(ratio_mean=_mean(ratio, mask), ratio_max=_max(ratio, mask), ratio_min=-_max(-ratio, mask))
     return loss, metrics

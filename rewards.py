@@ -76,32 +76,8 @@ def format_reward(completions, **_):
     return [float(has_final_answer(c)) for c in completions]
 
 
-def tool_reward(completions, tool_calls, tool_errors, **_):
-    """1.0 where a tool call ran (a call answered with an error aside): a push towards calling."""
-    return [float(c > e) for c, e in zip(tool_calls, tool_errors)]
-
-
-def tool_cost(completions, tool_calls, **_):
-    """-1 per tool call (errors and refusals count): with a small weight, a price on calling that only a right
-    answer without the tool avoids."""
-    return [-float(c) for c in tool_calls]
-
-
 # what --reward-weights NAME=W switches on for any task (a task's own reward_fns add to these or replace them)
-REWARDS = {"correct": correctness_reward, "format": format_reward, "tool": tool_reward, "tool_cost": tool_cost}
-
-
-def overlong_reward(max_len, buffer):
-    """DAPO's overlong penalty (arXiv 2503.14476, eq. 13): R = 0 if |y| <= L - B, (L - B - |y|) / B if |y| <= L, else -1
-    >>> overlong_reward(48, 16)(["a"] * 4, num_tokens=[32, 33, 40, 49])
-    [0.0, -0.0625, -0.5, -1.0]"""
-    if max_len < 1 or not 0 < buffer <= max_len:
-        raise ValueError(f"overlong reward needs max_len >= 1 and 0 < buffer <= max_len, got {max_len=}, {buffer=}")
-
-    def overlong(completions, num_tokens, **_):  # L = max_len, B = buffer, |y| = num_tokens (stop token included)
-        return [min(0.0, (max_len - buffer - n) / buffer) if n <= max_len else -1.0 for n in num_tokens]
-
-    return overlong
+REWARDS = {"correct": correctness_reward, "format": format_reward}  # envs.REWARDS: a tool task's
 
 
 # --- combining

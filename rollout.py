@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
 
-import grpo
-from config import flag
+from config import Knob, flag
 
 
 ROW_FIELDS = ("num_tokens", "own_tokens", "truncated", "trajectory")  # Rollout.reward_fields beside the example's
@@ -36,6 +35,7 @@ class Rollout:
     examples: list = None  # N dicts: the example each row answers
     rewards: torch.Tensor = None  # (N, K) each reward fn's value for each row (train.py's collect fills it)
     reward: torch.Tensor = None  # (N,) their weighted sum, the reward that trains
+    kept: torch.Tensor = None  # (N, C, V/8) uint8: the sampler's kept set at each token, a bit a vocabulary entry
 
     def __post_init__(self):  # without an environment the trajectory is the completion, and there is no state
         self.trajectories = self.completions if self.trajectories is None else self.trajectories
@@ -109,7 +109,7 @@ def decode_dynamic(model, cache, logits, mask, u, *, sampler, stop, pad_id, env,
     done = torch.zeros(N, dtype=torch.bool, device=u.device)  # (N,) a row that stopped or used its budget
     ended = torch.zeros(N, dtype=torch.bool, device=u.device)  # (N,) a row its stop token or environment ended
     used = torch.zeros(N, dtype=torch.long, device=u.device)  # (N,) budget used: own tokens and replies fed
-    cols = []  # per step: token, log-prob, own, reply (N,) each
+    cols, sets = [], []  # per step: token, log-prob, own, reply (N,) each; the kept set (N, V/8) if truncated
     cached = _cache_kwarg(model, cache)
     with torch.no_grad(), _autocast(model, dtype):  # one context for the loop: autocast casts each weight once
         logits = logits.repeat_interleave(G, 0)  # (N, V)
@@ -117,7 +117,7 @@ def decode_dynamic(model, cache, logits, mask, u, *, sampler, stop, pad_id, env,
         pos = (mask.sum(1, keepdim=True) - 1).repeat_interleave(G, 0)  # (N, 1) each prompt's last position
         mask = mask.repeat_interleave(G, 0)  # (N, P)
         while True:
-            scaled = sampler.logits(logits)  # (N, V)
+            scaled, kept = sampler.truncated(logits)  # (N, V); kept (N, V) bool or None
             ut = u.gather(1, used[:, None].clamp(max=T - 1)).squeeze(1)  # (N,) by the row's own count
             tok = sample_from_logits(scaled, ut) if sampler.temperature else scaled.argmax(-1)  # (N,)
             own, tok = ~done, tok.masked_fill(done, pad_id)  # (N,)
@@ -127,6 +127,8 @@ def decode_dynamic(model, cache, logits, mask, u, *, sampler, stop, pad_id, env,
                 tok, own, reply, end = env.step(tok, done, end, T - 1 - used)
             fed = own | reply  # (N,)
             cols.append((tok, scaled.log_softmax(-1).gather(1, tok[:, None]).squeeze(1), own, reply))
+            if kept is not None:  # the set the trainer scores under, with the token fed (a reply's) in it
+                sets.append(importlib.import_module("variants").pack(kept.scatter(1, tok[:, None], True)))
             used += fed
             ended |= end
             done |= end | (used == T)
@@ -139,7 +141,8 @@ def decode_dynamic(model, cache, logits, mask, u, *, sampler, stop, pad_id, env,
             logits = torch.where(fed[:, None], out.logits[:, -1], logits)  # a hole's row samples from its last token
     tokens, logps, own, reply = (torch.stack(c, 1) for c in zip(*cols))  # (N, steps) each
     keep = torch.sort((~(own | reply)).long(), dim=1, stable=True).indices[:, : int(used.max())]  # (N, C) holes dropped
-    return *(x.gather(1, keep) for x in (tokens, logps, own, reply)), ended
+    kept = torch.stack(sets, 1).gather(1, keep[..., None].expand(-1, -1, sets[0].size(1))) if sets else None
+    return *(x.gather(1, keep) for x in (tokens, logps, own, reply)), ended, kept
 
 
 @dataclass(frozen=True)
@@ -147,12 +150,25 @@ class Sampler:  # the sampler draws from logits(z), the trainer scores under it:
     """Sampling (rollout.Sampler): a field with a Knob is a knob of train.py, as grpo.Objective's."""
 
     temperature: Annotated[float, flag("> 0", "sampling temperature (0: greedy, for eval.py)")] = 1.0
+    top_k: Annotated[int, Knob(">= 0", "draw among the k likeliest tokens; 0: all")] = 0
+    top_p: Annotated[float, Knob("(0, 1]", "then among the likeliest whose mass reaches p (nucleus)")] = 1.0
+    min_p: Annotated[float | None, Knob("[0, 1]", "then among those with p >= min_p x the top token's")] = None
 
-    def logits(self, z):  # raw logits (..., V) -> the sampled distribution's, fp32; log_softmax: its log-probs
-        z = z.float()
-        if self.temperature not in (0, 1):
-            z = z / self.temperature
-        return z
+    def logits(self, z):  # raw logits (..., V) -> the temperature's, fp32 (not truncated); 0 (greedy), 1: as they are
+        return z.float() / self.temperature if self.temperature not in (0, 1) else z.float()
+
+    @property
+    def truncates(self):  # whether the sampler draws from a kept set
+        return bool(self.top_k or self.top_p < 1 or self.min_p)
+
+    def truncated(self, z):
+        """Raw logits (N, V) -> (the sampled distribution's: -inf off the kept set, the kept set (N, V) bool or None):
+        variants.kept_set's top_k, then top_p, then min_p; the likeliest token is always kept."""
+        z = self.logits(z)
+        if not self.truncates:
+            return z, None
+        kept = importlib.import_module("variants").kept_set(z, self.top_k, self.top_p, self.min_p)  # (N, V)
+        return z.masked_fill(~kept, -torch.inf), kept
 
 
 def sample_from_logits(logits, u):
@@ -234,7 +250,7 @@ def sample(
             pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, P)
             kv = _cache_kwarg(model, cache)
             out = model(input_ids=ids, attention_mask=mask, position_ids=pos, **kv, use_cache=True, logits_to_keep=1)
-        tokens, logps, own, reply, ended = loop(
+        tokens, logps, own, reply, ended, kept = loop(
             model, cache, out.logits[:, -1], mask, u, sampler=sampler, stop=stop, pad_id=pad_id, env=env, dtype=dtype
         )  # (N, C) each, holes dropped; ended (N,)
     finally:
@@ -254,6 +270,7 @@ def sample(
         truncated=~ended,  # the budget ended it (in its own words or in a reply), not its stop token or environment
         completions=completions,
         sample_logp=logps.masked_fill(~own, 0.0),
+        kept=kept,
         prompt_cut=cut.repeat_interleave(G, 0).to(device),
         env_mask=reply,
         trajectories=trajectories,
@@ -271,12 +288,15 @@ def concat(rollouts):  # -> one Rollout: prompts re-padded left, completions rig
         if isinstance(parts[0], list):
             out[name] = [x for p in parts for x in p]
             continue
-        w = max(x.size(-1) for x in parts)
+        w = max(x.size(1) if x.dim() > 1 else 0 for x in parts)
         left = name.startswith("prompt")  # prompts are left-padded, completions right-padded
-        out[name] = torch.cat(
-            [F.pad(x, (w - x.size(1), 0) if left else (0, w - x.size(1))) if x.dim() == 2 else x for x in parts]
-        )
+        out[name] = torch.cat([x if x.dim() == 1 else _pad_to(x, w, left) for x in parts])
     return Rollout(**out)
+
+
+def _pad_to(x, width, left):  # (n, w, ...) -> (n, width, ...): zeros on the left or the right of dim 1
+    extra = (width - x.size(1), 0) if left else (0, width - x.size(1))
+    return F.pad(x, (0, 0) * (x.dim() - 2) + extra)
 
 
 @torch.no_grad()
@@ -285,11 +305,13 @@ def batch_logprobs(model, r, micro_batch, *, sampler=Sampler(), share=True, dtyp
     device = r.completion_ids.device
     out = [] if hidden else torch.zeros(r.completion_ids.shape, device=device)  # (N, C)
     with _autocast(model, dtype):
-        for rows, ids, mask, c, sizes in micro_batches(r, micro_batch):
+        for rows, ids, mask, c, sizes, kept in micro_batches(r, micro_batch):
             if hidden:
                 out.append(completion_hidden(model, ids, mask, c, share, sizes).to(device))
             else:
-                out[rows, :c] = token_logprobs(model, ids, mask, c, sampler=sampler, share=share, sizes=sizes)[0]
+                out[rows, :c] = token_logprobs(
+                    model, ids, mask, c, sampler=sampler, share=share, sizes=sizes, kept=kept
+                )[0]
     return out
 
 
@@ -304,6 +326,7 @@ class MicroBatch(NamedTuple):
     mask: torch.Tensor  # (rows, w) their attention mask
     c: int  # the completion columns kept
     sizes: tuple  # (real targets, distinct prompts): its passes read nothing from the device
+    kept: torch.Tensor | None  # (rows, c, V/8): the sampler's kept sets (None: the whole vocabulary)
 
 
 def micro_batches(r, size):
@@ -318,7 +341,8 @@ def micro_batches(r, size):
         per.append(torch.stack([lo, hi, mask[i : i + size, P:].sum(), new[i + 1 : i + size].sum() + 1]))
     for i, (lo, hi, targets, prompts) in zip(range(0, mask.size(0), size), torch.stack(per).tolist()):
         rows = slice(i, i + size)
-        yield MicroBatch(rows, r.input_ids[rows, lo:hi], mask[rows, lo:hi], hi - P, (targets, prompts))
+        kept = None if r.kept is None else r.kept[rows, : hi - P]
+        yield MicroBatch(rows, r.input_ids[rows, lo:hi], mask[rows, lo:hi], hi - P, (targets, prompts), kept)
 
 
 # --- teacher-forced log-probs
@@ -352,24 +376,28 @@ class TokenLogp(torch.autograd.Function):
         return p.mul_(w).scatter_add_(1, t[:, None], g[:, None]), None, None
 
 
-def head_logprobs(lm_head, hidden, targets, *, sampler=Sampler(), with_entropy=False, ref=None):
+def head_logprobs(lm_head, hidden, targets, *, sampler=Sampler(), with_entropy=False, ref=None, kept=None):
     """hidden (n, H), targets (n,) -> logp, entropy or None, kl or None (n,) under sampler.logits of `lm_head`, in
-    checkpointed chunks of (chunk, V) logits: no (n, V) tensor. ref: a RefStates (hidden (n, H)) for grpo.full_kl."""
+    checkpointed chunks of (chunk, V) logits: no (n, V) tensor. ref: a RefStates (hidden (n, H)) for variants.full_kl;
+    kept (n, V/8): the sampler's kept sets, the distribution renormalised over each (the entropy too)."""
     budget = 64 << 20 if hidden.device.type == "cpu" else 1 << 30  # a chunk's fp32 logits: a CPU's cache, few calls
     size = max(16, budget // (4 * lm_head.weight.size(0)))
 
-    def chunk(h, t, h_ref):
+    def chunk(h, t, h_ref, k):
         z = sampler.logits(lm_head(h))  # (n_c, V)
+        if k is not None:  # the sampler's set, never the trainer's own: a token it ranks lower is not -inf
+            z = z.masked_fill(~importlib.import_module("variants").unpack(k, z.size(-1)), -torch.inf)
         logp, ent = TokenLogp.apply(z, t, with_entropy)  # (n_c,) each
         if h_ref is None:
             return logp, ent, None
         with torch.no_grad():
             z_ref = sampler.logits(ref.head(h_ref))  # (n_c, V)
-        return logp, ent, grpo.full_kl(z, z_ref)
+        return logp, ent, importlib.import_module("variants").full_kl(z, z_ref)
 
     out, grad = [], torch.is_grad_enabled() and hidden.requires_grad
     for i in range(0, hidden.size(0), size):
         a = (hidden[i : i + size], targets[i : i + size], None if ref is None else ref.hidden[i : i + size])
+        a += (None if kept is None else kept[i : i + size],)
         if grad:  # backward reruns the chunk instead of keeping its logits
             out.append(checkpoint(chunk, *a, use_reentrant=False))
         else:
@@ -435,10 +463,12 @@ def completion_hidden(model, input_ids, attention_mask, num_completion, share=Tr
         return _hidden(model, input_ids.to(device), attention_mask.to(device), num_completion, share, sizes)
 
 
-def token_logprobs(model, ids, mask, C, *, sampler=Sampler(), with_entropy=False, ref=None, share=True, sizes=None):
+def token_logprobs(
+    model, ids, mask, C, *, sampler=Sampler(), with_entropy=False, ref=None, share=True, sizes=None, kept=None
+):
     """Teacher-forced log-probs of each row's last C tokens: ids, mask (N, P+C) -> logp, entropy or None, kl or None,
     (N, C) each, 0 where mask is 0. The decoder runs once (share: a distinct prompt once), the lm_head in chunks. ref: a
-    RefStates (hidden (N, C, H)) for the exact KL; sizes: micro_batches', then no device read."""
+    RefStates (hidden (N, C, H)) for the exact KL; sizes: micro_batches', then no device read; kept (N, C, V/8)."""
     _check_outer(model)
     device = next(model.parameters()).device
     ids, mask = ids.to(device), mask.to(device)
@@ -448,7 +478,8 @@ def token_logprobs(model, ids, mask, C, *, sampler=Sampler(), with_entropy=False
         at = torch.nonzero_static(real, size=sizes[0] if sizes else int(real.sum())).squeeze(1)  # (n,)
         ref = None if ref is None else ref._replace(hidden=ref.hidden.flatten(0, 1)[at])  # (n, H)
         head, targets = model.get_output_embeddings(), ids[:, -C:].flatten()[at]  # (n,)
-        out = head_logprobs(head, hidden[at], targets, sampler=sampler, with_entropy=with_entropy, ref=ref)
+        kept = None if kept is None else kept.to(device).flatten(0, 1)[at]  # (n, V/8)
+        out = head_logprobs(head, hidden[at], targets, sampler=sampler, with_entropy=with_entropy, ref=ref, kept=kept)
     return tuple(None if v is None else v.new_zeros(mask.size(0) * C).index_copy(0, at, v).view(-1, C) for v in out)
 
 

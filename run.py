@@ -161,7 +161,7 @@ def save_run(out_dir, step, config, checkpointed, *, rank=0, world=1):
     """The run's state after `step` (policy, optimizer, scheduler, scaler, ref; each rank's RNG) -> None, or why not."""
     policy, optimizer, ref = checkpointed["policy"], checkpointed["optimizer"], checkpointed["ref"]
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}  # nothing here draws from numpy's
-    state = {k: checkpointed[k].state_dict() for k in ("scheduler", "scaler")}
+    state = {k: checkpointed[k].state_dict() for k in ("scheduler", "scaler", "entropy") if k in checkpointed}
     state.update(step=step, config=config, ref=None if ref is None else ref.state_dict(), rng=[rng] * world)
     if world > 1:
         dist.all_gather_object(state["rng"], rng)
@@ -197,6 +197,8 @@ def restore(ckpt, out_dir, checkpointed, *, rank=0):
         checkpointed["scaler"].load_state_dict(ckpt["scaler"])
     if ref is not None and ckpt.get("ref") is not None:
         ref.load_state_dict(ckpt["ref"])
+    if "entropy" in ckpt and "entropy" in checkpointed:  # use_adaptive_entropy's coef goes on from where it was
+        checkpointed["entropy"].load_state_dict(ckpt["entropy"])
     for state in optimizer.state.values():  # load_state_dict may keep the file's own (mmap'd) tensors: copies
         state.update({k: v.clone() for k, v in state.items() if torch.is_tensor(v)})
     torch.set_rng_state(ckpt["rng"][rank]["torch"])
@@ -207,6 +209,18 @@ def restore(ckpt, out_dir, checkpointed, *, rank=0):
 # --- seeds, the metrics log and what processes agree on
 def seed_of(*parts):  # a generator's seed from the run's seed, the step, ...: the same in any process, on resume
     return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:8], "little")
+
+
+def draw_prompts(train_set, step, attempt, *, seed, per_step, slots):
+    """The examples of this rank's prompt `slots` and a generator each: a fixed shuffle per epoch (a resample, attempt >
+    0: fresh prompts); each slot's generator seeded by (seed, step, attempt, slot), so a resumed run, or one over more
+    processes, samples the same."""
+    epoch, place = divmod(step, len(train_set) // per_step)  # the step's place in its epoch's shuffle
+    shuffle = seed + epoch if attempt == 0 else seed_of(seed, step, attempt)
+    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(shuffle))
+    slots = [i + (0 if attempt else place * per_step) for i in slots]
+    generators = [torch.Generator().manual_seed(seed_of(seed, step, attempt, i)) for i in slots]
+    return [train_set[order[i]] for i in slots], generators
 
 
 def all_reduce(x, op="mean"):  # mean / max / min over torchrun's processes; x itself in one process
@@ -224,9 +238,14 @@ def reduce(name, values):  # a metric's values over micro-batches -> one value, 
     return {"mean": lambda v: sum(v) / len(v), "max": max, "min": min}[reduce_op(name)](values)
 
 
-def step_metrics(r, every_reward, frac_zero, metrics, *, first_logp=None, with_env=False):
-    """A step's `metrics`, its Rollout's (reward, lengths, environments' states), the batch's rewards (world * N,), the
+def step_metrics(r, every_reward, frac_zero, metrics, per_update=(), *, first_logp=None, with_env=False):
+    """A step's `metrics`, its Rollout's (reward, lengths, environments' states), the batch's rewards (world * N,), its
+    optimizer steps' (per_update: a dict each, reduced over them; each one's as update{i}/ when more than one), the
     sampler gap from first_logp (N, C) (dlogp_*), reduced over ranks -> {name: float}, in one device read."""
+    updates = per_update or [{"loss": 0.0, "grad_norm": 0.0}]  # a skipped step: none
+    metrics.update({k: reduce(k, [u[k] for u in updates]) for k in updates[0]})
+    if len(per_update) > 1:
+        metrics.update({f"update{i}/{k}": v for i, u in enumerate(per_update, 1) for k, v in u.items()})
     lengths = r.completion_mask.sum(1)  # (N,) the model's own tokens
     if first_logp is not None:  # |sampling log-prob - training log-prob|, over the whole batch (dlogp_*)
         gap = grpo.behaviour_weights(first_logp, r.sample_logp, r.completion_mask, "none")[1]

@@ -365,7 +365,7 @@ def _uid_pids(uid):
     pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
-            with open(f"/proc/{pid}/status") as f:
+            with open(f"/proc/{pid}/status", errors="replace") as f:  # a process's Name may be any bytes
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
         except OSError:  # ended meanwhile
             continue

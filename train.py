@@ -6,6 +6,7 @@ README lists where the defaults depart from the paper. `torchrun --nproc_per_nod
 
 import copy, importlib.util, math, os, sys, time  # noqa: E401
 from contextlib import nullcontext
+from dataclasses import replace
 from functools import partial
 from typing import Annotated
 
@@ -16,7 +17,7 @@ from tqdm import tqdm
 import config, grpo, rollout, run, tasks  # noqa: E401
 from config import FIXED, NEVER, Knob, flag
 from models import DTYPES, check_dtype, load_model, load_tokenizer, native, resolve_device, resolve_dtype
-from rewards import REWARDS, RewardError, check_fields, combine_rewards, overlong_reward, parse_weights
+from rewards import REWARDS, RewardError, check_fields, combine_rewards, parse_weights
 
 LR_SCHEDULES = {  # lr_schedule: fn(t, the fraction done of the updates after the warmup) -> the factor on --lr
     "constant": lambda t: 1.0,
@@ -45,12 +46,14 @@ class Knobs:  # a declaration, never made: config.parser reads its lines
     max_resample: Annotated[int, Knob(">= 0", "--dynamic-sampling's extra rollouts at most")] = 4
     steps: Annotated[int, flag(">= 1", "generation batches")] = 100
     mu: Annotated[int, flag(">= 1", "optimizer steps per generation batch (GRPO's mu)")] = 1
+    steps_per_generation: Annotated[int, Knob(">= 1", "a generation batch's disjoint parts, an update each")] = 1
     lr: Annotated[float, flag("> 0", "AdamW learning rate")] = 1e-6
     lr_schedule: Annotated[str, Knob(LR_SCHEDULES, "the factor on --lr after the warmup")] = "constant"
     warmup_steps: Annotated[int, Knob(">= 0", "updates of a linear warmup to --lr")] = 0
     weight_decay: Annotated[float, Knob(">= 0", "AdamW's")] = 0.0
     grad_clip: Annotated[float, Knob(">= 0", "the gradient norm's cap; 0: off")] = 1.0
     scale_rewards: Annotated[str, flag(grpo.ADVANTAGES, "none = Dr. GRPO")] = "group"
+    multi_objective_aggregation: Annotated[str, Knob(grpo.REWARD_AGGREGATIONS, "GDPO")] = "sum_then_normalize"
     mask_truncated: Annotated[bool, flag(None, "no loss on completions cut at --max-new-tokens")] = False
     supervision: Annotated[str, flag(("outcome", "process"), "process: step rewards")] = "outcome"
     overlong_buffer: Annotated[int, flag(">= 0", "DAPO's soft overlong punishment over the last N tokens")] = 0
@@ -60,16 +63,12 @@ class Knobs:  # a declaration, never made: config.parser reads its lines
     seed: Annotated[int, flag("[0, 9e18]", "prompts, sampling, LoRA init", resume=FIXED)] = 0
     out_dir: Annotated[str, flag(None, "run.json, metrics.jsonl, ckpt.pt, hf/", resume=FIXED, path=True)] = "out/run"
     overwrite: Annotated[bool, flag(None, "replace the run in --out-dir", resume=NEVER)] = False
-    resume: Annotated[str | None, flag(None, "a run's --out-dir (or ckpt.pt) to continue", resume=NEVER, path=True)] = (
-        None
-    )
+    resume: Annotated[str | None, flag(None, "a run's --out-dir or ckpt.pt", resume=NEVER, path=True)] = None
     eval_every: Annotated[int, flag(">= 0", "steps between evals on the test split; 0 = at the end")] = 0
     eval_n: Annotated[int, flag(">= 0", "test examples per eval (the first N); 0 = no eval")] = 200
     save_every: Annotated[int, Knob(">= 0", "steps between checkpoints (and one at the end); 0: none")] = 50
     log_completions: Annotated[int, Knob(">= 0", "steps between the samples shown; 0: none")] = 10
-    export: Annotated[str, Knob(("none", "model", "adapter"), "OUT_DIR/hf at the end: a HF model, LoRA adapters")] = (
-        "none"
-    )
+    export: Annotated[str, Knob(("none", "model", "adapter"), "OUT_DIR/hf at the end: a model, adapters")] = "none"
     log_to: Annotated[str, Knob(("none", "tensorboard", "wandb"), "a tracker besides metrics.jsonl")] = "none"
     lora_rank: Annotated[int, flag(">= 0", "LoRA adapters of this rank (peft); 0 = full fine-tuning", resume=FIXED)] = 0
     fsdp: Annotated[bool, flag(None, "under torchrun: shard weights, grads, AdamW states", resume=FIXED)] = False
@@ -98,9 +97,10 @@ except ValueError as e:
 for bad, why in [  # one line each, before anything loads
     (args.prompts_per_step % world, f"--prompts-per-step must be a multiple of the {world} processes"),
     (
-        N % args.micro_batch and not args.micro_batch_tokens,
-        f"--micro-batch {args.micro_batch} must divide the {N} completions per rank per step",
+        N % (args.steps_per_generation * (1 if args.micro_batch_tokens else args.micro_batch)),
+        f"steps_per_generation x --micro-batch {args.micro_batch} must divide the {N} completions per rank per step",
     ),
+    (obj.kl_estimator == "full" and sampler.truncates, "--kl-estimator full sums over V: no top_k, top_p, min_p"),
     (
         args.overlong_buffer > args.max_new_tokens,
         f"--overlong-buffer {args.overlong_buffer} must be <= --max-new-tokens {args.max_new_tokens}",
@@ -129,13 +129,20 @@ for names, why in [
     ("kl_estimator ref_device ref_sync_every", args.beta == 0 and "--beta 0: no reference"),
     ("cispo_cap", obj.surrogate != "cispo" and "not --loss-type cispo"),
     ("sapo_temperature_pos sapo_temperature_neg", obj.surrogate != "sapo" and "not --loss-type sapo"),
-    ("is_cap", obj.is_mode == "none" and "--is-mode none"),
+    ("is_cap is_cap_min", obj.is_mode == "none" and "--is-mode none"),
+    ("vespo_k_pos vespo_lambda_pos vespo_k_neg vespo_lambda_neg", obj.surrogate != "vespo" and "not --loss-type vespo"),
+    ("entropy_target entropy_coef_delta entropy_coef_min entropy_coef_max", not obj.use_adaptive_entropy and "off"),
+    ("scale_rewards", args.multi_objective_aggregation == "normalize_then_sum" and "GDPO normalises its own way"),
+    ("multi_objective_aggregation", args.supervision == "process" and "--supervision process: the steps' rewards"),
     ("eval_every", args.eval_n == 0 and "--eval-n 0"),
     ("max_resample", not args.dynamic_sampling and "no --dynamic-sampling"),
 ]:
     notes += [f"note: {name} has no effect in this run ({why})" for name in sorted(given & set(names.split())) if why]
 reward_fns = {**REWARDS, **task.reward_fns}  # any reward, for any task: --reward-weights name=w switches it on
+if task.env:  # and, for a task with an environment, the tool calls' (envs.REWARDS)
+    reward_fns = {**importlib.import_module("envs").REWARDS, **reward_fns}
 if args.overlong_buffer:  # DAPO eq. 13 beside the task's rewards (weight 1 unless --reward-weights says)
+    overlong_reward = importlib.import_module("variants").overlong_reward
     reward_fns["overlong"] = overlong_reward(args.max_new_tokens, args.overlong_buffer)
 try:
     weights = {**task.reward_weights, "overlong": 1.0} if args.overlong_buffer else dict(task.reward_weights)
@@ -223,12 +230,14 @@ def lr_factor(u, *, warmup, updates, schedule):
     return min(1, (u + 1) / (warmup + 1)) * schedule(min(1, max(0, u - warmup) / rest))
 
 
-schedule = LR_SCHEDULES[args.lr_schedule]
-factor = partial(lr_factor, warmup=args.warmup_steps, updates=args.steps * args.mu, schedule=schedule)
+updates = args.steps * args.mu * args.steps_per_generation  # optimizer steps in the run
+factor = partial(lr_factor, warmup=args.warmup_steps, updates=updates, schedule=LR_SCHEDULES[args.lr_schedule])
 scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 scaler = torch.amp.GradScaler(device.type, enabled=dtype == torch.float16)  # fp16 needs loss scaling
 synced_ref = ref if args.ref_sync_every else None  # the reference moves: checkpoints keep it
 checkpointed = dict(policy=policy, optimizer=optimizer, scheduler=scheduler, scaler=scaler, ref=synced_ref)
+if obj.use_adaptive_entropy:  # its coef, updated each optimizer step, kept by checkpoints
+    checkpointed["entropy"] = importlib.import_module("variants").EntropyControl.of(obj)
 start_step = run.restore(ckpt, args.out_dir, checkpointed, rank=rank) if ckpt else 0
 del ckpt  # it maps the file it was read from: replacing that file frees its space once it goes
 scheduler.base_lrs = [args.lr for _ in optimizer.param_groups]
@@ -243,18 +252,6 @@ passes = dict(sampler=sampler, share=not no_sharing)  # how every log-prob pass 
 
 
 # --- the step's phases, in the loop's order; each takes what it reads besides the run's settings above
-def draw_prompts(train_set, step, attempt, *, seed, per_step, slots):
-    """The examples of this rank's prompt `slots` and a generator each: a fixed shuffle per epoch (a resample, attempt >
-    0: fresh prompts); each slot's generator seeded by (seed, step, attempt, slot), so a resumed run, or one over more
-    processes, samples the same."""
-    epoch, place = divmod(step, len(train_set) // per_step)  # the step's place in its epoch's shuffle
-    shuffle = seed + epoch if attempt == 0 else run.seed_of(seed, step, attempt)
-    order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(shuffle))
-    slots = [i + (0 if attempt else place * per_step) for i in slots]
-    generators = [torch.Generator().manual_seed(run.seed_of(seed, step, attempt, i)) for i in slots]
-    return [train_set[order[i]] for i in slots], generators
-
-
 def collect(step, policy, draw, *, reward_fns, weights, max_resample):
     """1. This rank's batch, draw(step, attempt) -> (examples, generators) -> (its Rollout with the rewards (N, K) and
     their weighted sum (N,), keep (N,) bool: the rows that train, metrics). --dynamic-sampling (DAPO §3.2; max_resample
@@ -286,47 +283,48 @@ def collect(step, policy, draw, *, reward_fns, weights, max_resample):
     metrics = {f"reward/{k}": r.rewards[:, i].mean() for i, k in enumerate(weights)}
     if max_resample is None:
         return r, torch.ones(len(r.reward), dtype=torch.bool), metrics
-    groups = grpo.pick_groups(informative, len(examples))  # (prompts,) of all attempts' groups
-    rows = (groups[:, None] * G + torch.arange(G)).flatten()  # (N,)
-    keep = informative[groups].repeat_interleave(G)  # (N,)
+    rows, keep = importlib.import_module("variants").pick_rows(informative, len(examples), G)  # (N,) each
     metrics.update(reward_sampled=r.reward.mean(), kept_groups=keep.sum() / G, extra_rollouts=len(parts) - 1.0)
     return r[rows], keep, metrics
 
 
-def advantages(reward, how):
-    """2. Group advantages of this rank's rewards (N,) -> (its (N, 1), every rank's rewards, the fraction of flat
-    groups): groups never span ranks, but the "batch" scale needs every rank's rewards."""
-    every = scale.all_gather(reward) if ddp else reward  # (world * N,)
-    adv, frac_zero = grpo.group_advantages(every, G, how)
+def advantages(r, how, aggregation):
+    """2. Group advantages of this rank's rewards (r.rewards (N, K), r.reward (N,)) by REWARD_AGGREGATIONS[aggregation]
+    -> (its (N, 1), every rank's rewards, the flat share); "batch" and GDPO's last step read every rank's rewards."""
+    every, each = (scale.all_gather(x) if ddp else x for x in (r.reward.to(device), r.rewards.to(device)))
+    w = torch.tensor(list(weights.values()), device=device)  # (K,) in r.rewards' column order
+    adv, frac_zero = grpo.REWARD_AGGREGATIONS[aggregation](each, every, w, G, how)
     return adv[rank * N : (rank + 1) * N, None], every, frac_zero
 
 
-def no_grad_passes(r, micro, *, policy, ref, mu):
+def no_grad_passes(r, micro, *, policy, ref, updates):
     """3. -> (the reference's log-probs (N, C), or for the exact KL its final hidden states (rows, c, H) a micro-batch
-    (the other None; both None without a reference), the policy's own before this batch's updates when mu > 1)."""
+    (the other None; both None without a reference), the policy's own before this batch's updates when updates > 1)."""
     ref_logp = ref_hidden = old_logp = None
     with as_reference():
         if ref is not None and exact_kl:
             ref_hidden = rollout.batch_logprobs(ref, r, micro, dtype=ref_dtype, hidden=True, **passes)
         elif ref is not None:
             ref_logp = rollout.batch_logprobs(ref, r, micro, dtype=ref_dtype, **passes)
-    if mu > 1:
+    if updates > 1:
         old_logp = rollout.batch_logprobs(policy, r, micro, dtype=dtype, **passes)
     return ref_logp, ref_hidden, old_logp
 
 
-def accumulate(r, micro, policy, obj, *, adv, loss_mask, ref_logp, ref_hidden, old_logp, counts, first_logp=None):
-    """4. One pass over the micro-batches of r (the step's Rollout), gradients accumulated -> {metric: [a value a
-    micro-batch]}. (N, C) each: loss_mask, the reference's log-probs (None: none, or the exact KL, from its hidden
-    states a micro-batch), the policy's before this batch's updates (mu > 1, else None); adv (N, 1) or (N, C); counts:
-    the batch's rows and tokens that train, over ranks; first_logp (N, C), given: takes this pass's log-probs."""
+def accumulate(r, part, micro, policy, obj, *, adv, loss_mask, ref_logp, ref_hidden, old_logp, counts, first_logp=None):
+    """4. One pass over the micro-batches `part` (a range: an update's) of r, the step's Rollout, gradients accumulated
+    -> {metric: [a value a micro-batch]}. (N, C) each: loss_mask, the reference's log-probs (None: none, or the exact
+    KL's hidden states a micro-batch), the policy's before this batch's updates (or None); adv (N, 1) or (N, C);
+    counts: the update's rows and tokens that train, over ranks; first_logp (N, C), given: takes the log-probs."""
     stats, ref_head = {}, ref.get_output_embeddings() if exact_kl else None
     with rollout.cast_once(device):  # each weight cast to bf16 once for the micro-batches
-        for j, (rows, ids, mask, c, sizes) in enumerate(rollout.micro_batches(r, micro)):
+        batches = list(rollout.micro_batches(r, micro))
+        for j in part:
+            rows, ids, mask, c, sizes, kept = batches[j]
             kl_ref = rollout.RefStates(ref_head, ref_hidden[j]) if exact_kl else None
             with autocast:  # entropy is always logged; it enters the loss only through the entropy knobs
                 logp, entropy, kl = rollout.token_logprobs(
-                    policy, ids, mask, c, with_entropy=True, ref=kl_ref, sizes=sizes, **passes
+                    policy, ids, mask, c, with_entropy=True, ref=kl_ref, sizes=sizes, kept=kept, **passes
                 )
             loss, metrics = grpo.grpo_loss(  # the policy term reweighted by pi_train / pi_sample (--is-mode)
                 logp,
@@ -374,20 +372,15 @@ def update(losses, step, bad_steps):
 
 
 def run_eval(step):
-    with gathered(policy):  # --fsdp: every rank gathers the weights, rank 0 evaluates
+    with gathered(policy):  # --fsdp: every rank gathers the weights, rank 0 evaluates (eval.py, imported then)
         if master and test_set:
-            from eval import evaluate  # the test split's scores (eval.py), imported when a run evaluates
-
-            summary, _ = evaluate(
-                policy, tokenizer, task, test_set, max_new_tokens=args.max_new_tokens, dtype=dtype, env=env, loop=loop
-            )
-            tqdm.write(f"eval step {step}: " + " ".join(f"{k}={v:.4g}" for k, v in summary.items()))
-            log.write({"step": step, **{f"eval/{k}": v for k, v in summary.items()}})
+            at = dict(max_new_tokens=args.max_new_tokens, dtype=dtype, env=env, loop=loop)
+            importlib.import_module("eval").log_eval(policy, tokenizer, task, test_set, step, log, **at)
 
 
 # --- the loop
 slots = range(rank * local_prompts, (rank + 1) * local_prompts)
-draw = partial(draw_prompts, train_set, seed=args.seed, per_step=args.prompts_per_step, slots=slots)
+draw = partial(run.draw_prompts, train_set, seed=args.seed, per_step=args.prompts_per_step, slots=slots)
 max_resample = args.max_resample if args.dynamic_sampling else None
 log = run.MetricsLog(args.out_dir, args.log_to, vars(args), start_step) if master else None
 bad_steps = 0  # non-finite updates in a row
@@ -399,41 +392,50 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     # 1. G completions per prompt, their rewards (N, K) and weighted sum (N,)
     r, keep, metrics = collect(step, policy, draw, reward_fns=reward_fns, weights=weights, max_resample=max_resample)
     t1 = time.time()
-    adv, every_reward, frac_zero = advantages(r.reward.to(device), args.scale_rewards)  # 2. (N, 1)
+    adv, every_reward, frac_zero = advantages(r, args.scale_rewards, args.multi_objective_aggregation)  # 2. (N, 1)
     if args.supervision == "process":  # per-token advantages (N, C) from the task's step rewards (§4.1.3)
-        import extra_tasks  # the steps' token positions: imported only when asked
-
-        ends, values, smask = extra_tasks.step_positions(task.step_rewards, tokenizer, r)
-        adv = grpo.process_advantages(values, ends, smask, G, r.sample_logp.size(1)).to(device)
+        ends, values, smask = importlib.import_module("extra_tasks").step_positions(task.step_rewards, tokenizer, r)
+        adv = importlib.import_module("variants").process_advantages(values, ends, smask, G, r.sample_logp.size(1))
+        adv = adv.to(device)  # on the step rewards' device (the host)
         metrics["reward/step"] = values[smask].mean()
     keep = keep.to(device)
     loss_mask = r.completion_mask * keep[:, None] * (~r.truncated[:, None] if args.mask_truncated else 1)  # (N, C)
     width = run.all_reduce(r.input_ids.new_tensor(r.input_ids.size(1)), "max")  # the widest rank's: as many calls
-    fit = args.micro_batch_tokens // int(width) if args.micro_batch_tokens else N  # rows micro_batch_tokens holds
-    micro = max(1, min(args.micro_batch, fit))  # rows a micro-batch
-    ref_logp, ref_hidden, old_logp = no_grad_passes(r, micro, policy=policy, ref=ref, mu=args.mu)  # 3.
+    fit = max(1, args.micro_batch_tokens // int(width)) if args.micro_batch_tokens else N  # rows that cap holds
+    k = args.steps_per_generation  # the batch's parts, an optimizer step each
+    micro = max(d for d in range(1, min(args.micro_batch, fit) + 1) if k == 1 or N // k % d == 0)  # rows a micro-batch
+    ref_logp, ref_hidden, old_logp = no_grad_passes(r, micro, policy=policy, ref=ref, updates=args.mu * k)  # 3.
     t2 = time.time()
-    # 4. mu optimizer steps on this batch, each accumulating gradients over micro-batches
-    counts = run.all_reduce(keep.sum().float()), run.all_reduce(loss_mask.sum().float()).clamp(min=1)  # over ranks
-    skip = counts[0].item() == 0  # no group with a reward spread: nothing to learn
-    stats, first_logp = {}, None if skip else torch.zeros(r.sample_logp.shape, device=device)
+    # 4. mu passes over this batch, an optimizer step on each of its k parts, gradients accumulated by micro-batch
+    skip = run.all_reduce(keep.sum().float()).item() == 0  # no group with a reward spread: nothing to learn
+    # the sampler gap's metric: the policy's log-probs before this batch's updates (without old_logp, the pass fills it)
+    first_logp = old_logp if old_logp is not None or skip else torch.zeros(r.sample_logp.shape, device=device)
+    per_update = []
     inputs = dict(adv=adv, loss_mask=loss_mask, ref_logp=ref_logp, ref_hidden=ref_hidden, old_logp=old_logp)
-    for it in range(0 if skip else args.mu):
-        for k, v in accumulate(
-            r, micro, policy, obj, **inputs, counts=counts, first_logp=first_logp if it == 0 else None
-        ).items():
-            stats.setdefault(k, []).extend(v)
-        grad_norm, lr, bad_steps = update(stats["loss"][-math.ceil(N / micro) :], step, bad_steps)
+    for part in list(range(k)) * (0 if skip else args.mu):  # mu passes, k parts each
+        rows = slice(part * N // k, (part + 1) * N // k)
+        counts = [run.all_reduce(x[rows].sum().float()).clamp(min=1) for x in (keep, loss_mask)]  # over ranks
+        step_obj = replace(obj, entropy_coef=checkpointed["entropy"].applied()) if obj.use_adaptive_entropy else obj
+        batches = range(part * N // k // micro, -(-(part + 1) * N // k // micro))  # the part's whole micro-batches
+        first = first_logp if old_logp is None else None
+        out = accumulate(r, batches, micro, policy, step_obj, **inputs, counts=counts, first_logp=first)
+        grad_norm, lr, bad_steps = update(out["loss"], step, bad_steps)
+        row = {key: run.reduce(key, v) for key, v in out.items()}
+        per_update.append({**row, "loss": sum(out["loss"]), "grad_norm": grad_norm, "lr": lr})
+        if obj.use_adaptive_entropy:  # the update's mean entropy over ranks
+            checkpointed["entropy"].update(run.all_reduce(torch.stack(out["entropy"]).mean()).item())
     if skip:
-        grad_norm, lr = torch.tensor(0.0), optimizer.param_groups[0]["lr"]
+        lr = optimizer.param_groups[0]["lr"]
         tqdm.write(f"step {step + 1}: skipped, no group with a reward spread after {args.max_resample} resamples")
     if ref is not None and args.ref_sync_every and (step + 1) % args.ref_sync_every == 0:
         ref.load_state_dict(policy.state_dict())  # iterative GRPO (DeepSeekMath §4.2): ref := policy
     t3 = time.time()
     # 5. metrics: one read of the device a step; rank 0 writes them
-    metrics.update({k: run.reduce(k, v) for k, v in stats.items()}, grad_norm=grad_norm, skipped=float(skip))
-    metrics.update(loss=sum(stats.get("loss", [0])) / args.mu, gen_tok_s=r.completion_mask.sum() * world / (t1 - t0))
-    metrics = run.step_metrics(r, every_reward, frac_zero, metrics, first_logp=first_logp, with_env=env is not None)
+    metrics.update(skipped=float(skip), gen_tok_s=r.completion_mask.sum() * world / (t1 - t0))
+    if obj.use_adaptive_entropy:
+        metrics.update(entropy_coef=checkpointed["entropy"].coef)
+    at = dict(first_logp=first_logp, with_env=env is not None)
+    metrics = run.step_metrics(r, every_reward, frac_zero, metrics, per_update, **at)
     metrics.update(step=step + 1, lr=lr, t_generate=t1 - t0, t_reference=t2 - t1, t_train=t3 - t2, t_step=t3 - t0)
     if master:
         log.write(metrics)

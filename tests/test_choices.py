@@ -94,7 +94,7 @@ def test_each_loss_type_names_a_surrogate_and_an_aggregation(name):
     choice that crashes at the first step)."""
     surrogate, aggregation = grpo.LOSS_TYPES[name]
     assert surrogate in grpo.SURROGATES and aggregation in grpo.AGGREGATIONS
-    obj = Objective(loss_type=name)
+    obj = Objective(loss_type=name, importance_level="sequence" if name == "luspo" else "token")  # LUSPO's is GSPO's
     assert (obj.surrogate, obj.aggregation) == (surrogate, aggregation)
 
 
@@ -129,7 +129,8 @@ def test_a_surrogate_gives_no_gradient_without_advantage(surrogate):
     g = torch.Generator().manual_seed(4)
     logp = (-3 * torch.rand(3, 5, generator=g, **F64)).requires_grad_()
     ratio = (logp - logp.detach() + 0.5 * torch.randn(3, 5, generator=g, **F64)).exp()
-    s = grpo.SURROGATES[surrogate](ratio, torch.zeros(3, 1, **F64), logp=logp, **vars(Objective()))
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    s = grpo.SURROGATES[surrogate](ratio, torch.zeros(3, 1, **F64), logp=logp, mask=mask, **vars(Objective()))
     (grad,) = torch.autograd.grad(s.sum(), logp)
     assert s.shape == (3, 5) and torch.equal(grad, torch.zeros_like(grad))
 
@@ -187,14 +188,17 @@ def test_behaviour_modes_weigh_one_where_sampler_and_trainer_agree(name):
 # the sampler's transform, shared by sampling and training (rollout.Sampler)
 
 
+OTHER_VALUE = {"temperature": 2.0, "top_k": 2, "top_p": 0.5, "min_p": 0.1}  # a value other than the default
+
+
 @pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(Sampler)])
 def test_sampler_transform_gives_log_probs_that_sum_to_one(field):
     """Fails if a Sampler field's setting makes logits whose softmax is no distribution (NaN where a token is cut,
     mass that does not sum to 1) for the sampler to draw from and the trainer to score under."""
     z = torch.randn(4, 11, generator=torch.Generator().manual_seed(8)).bfloat16()
     default = getattr(Sampler(), field)
-    for value in {default, type(default)(2) if default else type(default)(1)}:
-        logits = Sampler(**{field: value}).logits(z)
+    for value in {default, OTHER_VALUE[field]}:
+        logits = Sampler(**{field: value}).truncated(z)[0]  # -inf off a truncated sampler's kept set
         assert logits.dtype == torch.float32 and not logits.isnan().any()
         torch.testing.assert_close(logits.softmax(-1).sum(-1), torch.ones(4))
 

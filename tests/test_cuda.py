@@ -159,7 +159,7 @@ def test_the_training_micro_batch_loop_syncs_only_in_the_models_mask_check():
             try:
                 slices = list(rollout.micro_batches(r, 3))
                 if phase == "passes":
-                    for _, ids, mask, c, sizes in slices:
+                    for _, ids, mask, c, sizes, _ in slices:
                         logp, entropy, _ = rollout.token_logprobs(policy, ids, mask, c, with_entropy=True, sizes=sizes)
                         adv = torch.ones(logp.size(0), device="cuda")
                         obj = grpo.Objective(beta=0.0)

@@ -185,7 +185,7 @@ def test_the_step_traces_whole_under_torch_compile(kind):
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
         kv = rollout._cache_kwarg(model, cache)
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos, **kv).logits[:, -1]
-        eager = decode._start(cache, logits, mask, u)
+        eager = decode._start(cache, logits, mask, u, rollout.Sampler())
         args = (rollout.Sampler(), torch.tensor([-1]), 0)  # no stop token: every row decodes
         decode.draw(eager, *args)
         traced = copy.deepcopy(eager)

@@ -100,7 +100,7 @@ def test_training_path_matches_naive(micro, share):
     naive.backward()
 
     total, N = 0.0, r.prompt_ids.size(0)
-    for rows, ids, mask, c, _ in micro_batches(r, micro):
+    for rows, ids, mask, c, *_ in micro_batches(r, micro):
         with torch.no_grad():
             ref_logp = rollout.token_logprobs(
                 ref, ids, mask, c, sampler=rollout.Sampler(temperature=temp), share=share
@@ -169,7 +169,7 @@ def test_micro_batches_sizes_are_their_real_targets_and_distinct_prompts(size, m
     0, a sampling with its own id): the passes would then index padding or drop a real target (nonzero_static)."""
     r = make()
     mask = r.completion_mask + r.env_mask.long()  # (N, C) what the model reads after its prompt
-    for rows, ids, attention, c, (targets, prompts) in micro_batches(r, size):
+    for rows, ids, attention, c, (targets, prompts), _ in micro_batches(r, size):
         p = [tuple(x[m.bool()].tolist()) for x, m in zip(r.prompt_ids[rows], r.prompt_mask[rows])]
         assert targets == int(mask[rows].sum())
         assert prompts == 1 + sum(p[k] != p[k - 1] for k in range(1, len(p)))
@@ -196,7 +196,7 @@ def test_the_micro_batch_loop_reads_nothing_from_the_device(share):
 
     def step(sizes):
         out = []
-        for _, ids, mask, c, s in slices:
+        for _, ids, mask, c, s, _ in slices:
             s = s if sizes else None
             ref_hidden = rollout.completion_hidden(ref, ids, mask, c, share, s).detach()
             logp, entropy, kl = rollout.token_logprobs(

@@ -22,10 +22,10 @@ from conftest import GRADS, assert_close_scaled, make_model  # noqa: E402
 from toy import TIMING, TRAIN, read_metrics, run_script, train_args  # noqa: E402
 
 import grpo  # noqa: E402
-import rewards  # noqa: E402
 import rollout  # noqa: E402
 import extra_tasks  # noqa: E402
 import tasks  # noqa: E402
+import variants  # noqa: E402
 from run import MetricsLog, reduce, reduce_op  # noqa: E402
 
 G, PROMPTS, MICRO = 4, 2, 4  # train_args: 2 prompts x 4 completions, micro-batches of one group
@@ -181,13 +181,13 @@ def dapo_overlong(n, max_len=12, buffer=4):
 def test_overlong_reward_is_the_formula_over_the_sampled_lengths(model_dir, tmp_path, monkeypatch):
     lengths, scored = [], []
     spy(monkeypatch, rollout, "sample", lambda a, k, r: lengths.append(r.completion_mask.sum(1).tolist()))
-    real = rewards.overlong_reward
+    real = variants.overlong_reward  # train.py imports variants when --overlong-buffer is given
 
     def recorded(max_len, buffer):
         fn = real(max_len, buffer)
         return lambda completions, **fields: scored.append(fn(completions, **fields)) or scored[-1]
 
-    monkeypatch.setattr(rewards, "overlong_reward", recorded)
+    monkeypatch.setattr(variants, "overlong_reward", recorded)
     run_script(
         TRAIN, train_args(model_dir, str(tmp_path), "--overlong-buffer", 4, "--reward-weights", "overlong=0.5", steps=3)
     )

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import envs
 import extra_tasks
 import grpo
 import rewards
@@ -78,7 +79,7 @@ def test_the_tool_cost_fork_is_the_shipped_reward_and_trains(model_dir, tmp_path
     `--reward-weights tool_cost=W` does not switch it on for a tool task: its logged mean must be -(tool calls) and
     the step's reward must carry W times it."""
     block = fork("**A reward switched on by a flag**")
-    shipped = inspect.getsource(rewards.tool_cost)
+    shipped = inspect.getsource(envs.tool_cost)
     assert textwrap.dedent(block).strip() == shipped.strip()
     from tasks import TASKS
 
@@ -131,7 +132,8 @@ def test_the_readme_choices_are_the_dicts_keys():
         "grpo.IMPORTANCE_LEVELS": set(grpo.IMPORTANCE_LEVELS),
         "grpo.BEHAVIOUR_MODES": set(grpo.BEHAVIOUR_MODES),
         "LR_SCHEDULES": train_dict("LR_SCHEDULES"),
-        "rewards.REWARDS": set(rewards.REWARDS),
+        "rewards.REWARDS": set(rewards.REWARDS) | set(envs.REWARDS),  # its row names both: a tool task's too
+        "grpo.REWARD_AGGREGATIONS": set(grpo.REWARD_AGGREGATIONS),
     }
     seen = set()
     for flag, choices, where in readme_rows("| flag or config key | choices | the dict |"):

@@ -16,19 +16,28 @@ from grpo import (
     aggregate,
     behaviour_weights,
     clipped_surrogate,
-    full_kl,
     group_advantages,
     grpo_loss,
     importance_ratio,
     informative_groups,
     kl_estimate,
-    pick_groups,
-    process_advantages,
-    top_entropy_mask,
 )
+from variants import full_kl, pick_rows, process_advantages, top_entropy_mask
 
 F64 = dict(dtype=torch.float64)
 CLIPPED = [k for k, (surrogate, _) in LOSS_TYPES.items() if surrogate == "clip"]  # cispo, sapo: test_objectives.py
+
+
+def _accepts(loss_type, level):  # Objective's own rule (luspo: sequence only), so a new pairing needs no edit here
+    try:
+        Objective(loss_type=loss_type, importance_level=level)
+    except ValueError:
+        return False
+    return True
+
+
+CLIPPED_LEVELS = [(t, level) for t in CLIPPED for level in ("token", "sequence") if _accepts(t, level)]
+LEVEL = {t: next(level for level in ("token", "sequence") if _accepts(t, level)) for t in LOSS_TYPES}
 
 
 def _batch(lengths=(7, 3, 5, 1, 6, 2), T=7, seed=0):
@@ -99,15 +108,17 @@ def test_informative_groups_hand_example_and_agrees_with_group_advantages():
     assert (adv.view(4, 3)[keep] != 0).all()
 
 
-def test_pick_groups_first_informative_in_sampling_order_then_the_last_flat_ones():
+def test_pick_rows_first_informative_in_sampling_order_then_the_last_flat_ones():
     # groups of 2: attempt 0 is flat, informative, flat; attempt 1 is informative, flat, informative
     r0, r1 = torch.tensor([1.0, 1, 0, 1, 0, 0]), torch.tensor([1.0, 0, 1, 1, 0, 1])
 
     def pick(attempts, count):  # as (attempt, group, informative), each attempt of 3 groups
-        return [
-            (g // 3, g % 3, bool(informative_groups(torch.cat(attempts), 2)[g]))
-            for g in pick_groups(informative_groups(torch.cat(attempts), 2), count).tolist()
-        ]
+        informative = informative_groups(torch.cat(attempts), 2)
+        rows, keep = pick_rows(informative, count, 2)
+        groups = rows[::2] // 2  # (count,): each picked group's rows are its 2 rows, in order
+        assert torch.equal(rows, torch.stack([2 * groups, 2 * groups + 1], 1).flatten())
+        assert torch.equal(keep, informative[groups].repeat_interleave(2))  # a flat group's rows are not kept
+        return [(g // 3, g % 3, bool(informative[g])) for g in groups.tolist()]
 
     assert pick([r0, r1], 2) == [(0, 1, True), (1, 0, True)]  # enough: the first two informative
     assert pick([r0, r1], 3) == [(0, 1, True), (1, 0, True), (1, 2, True)]
@@ -372,8 +383,7 @@ def test_gspo_sequence_ratio_is_exp_of_masked_mean_log_ratio():
     torch.testing.assert_close(importance_ratio(logp, old, mask), torch.where(mask, (logp - old).exp(), 1.0))
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", CLIPPED)
+@pytest.mark.parametrize("loss_type,level", CLIPPED_LEVELS)
 def test_mu1_value_is_advantage_and_gradient_is_minus_A_times_weight(loss_type, level):
     logp, _, _, adv, mask, _ = _batch()
     logp.requires_grad_()
@@ -382,7 +392,7 @@ def test_mu1_value_is_advantage_and_gradient_is_minus_A_times_weight(loss_type, 
     loss, m = grpo_loss(logp, old_logp=None, ref_logp=None, advantages=adv, mask=mask, obj=obj)
     lens = mask.sum(1, keepdim=True).double()  # (N, 1)
     n = mask.sum()
-    weight = {"grpo": 1 / (lens * N), "bnpo": 1 / n, "dr_grpo": 1 / (N * 10), "dapo": 1 / n}[loss_type]
+    weight = {"grpo": 1 / (lens * N), "bnpo": 1 / n, "dr_grpo": 1 / (N * 10), "dapo": 1 / n, "luspo": 1 / N}[loss_type]
     (grad,) = torch.autograd.grad(loss, logp)
     torch.testing.assert_close(grad, torch.where(mask, -adv[:, None] * weight, 0.0))
     torch.testing.assert_close(loss, -(torch.where(mask, adv[:, None] * weight, 0.0)).sum())
@@ -393,8 +403,7 @@ def test_mu1_value_is_advantage_and_gradient_is_minus_A_times_weight(loss_type, 
 # masks and aggregation
 
 
-@pytest.mark.parametrize("level", ["token", "sequence"])
-@pytest.mark.parametrize("loss_type", CLIPPED)
+@pytest.mark.parametrize("loss_type,level", CLIPPED_LEVELS)
 def test_padding_changes_neither_loss_nor_gradient(loss_type, level):
     logp, old, ref, adv, mask, ent = _batch()
     adv_t = adv[:, None] * torch.linspace(0.5, 1.5, 7, **F64)  # (N, T) process-style advantages
@@ -437,7 +446,7 @@ def test_all_masked_row_and_all_masked_call_are_finite(loss_type):
     logp, old, ref, adv, mask, ent = _batch()
     mask[2] = False
     logp.requires_grad_()
-    obj = Objective(beta=0.1, loss_type=loss_type)
+    obj = Objective(beta=0.1, loss_type=loss_type, importance_level=LEVEL[loss_type])
     loss, m = grpo_loss(logp, old_logp=old, ref_logp=ref, advantages=adv, mask=mask, obj=obj, entropy=ent)
     (grad,) = torch.autograd.grad(loss, logp)
     assert torch.isfinite(loss) and torch.isfinite(grad).all() and torch.equal(grad[2], torch.zeros(7, **F64))
@@ -460,6 +469,7 @@ def test_aggregate_formulas_on_ragged_lengths(loss_type):
         "bnpo": sum(r.sum() for r in rows) / 11,
         "dr_grpo": sum(r.sum() for r in rows) / (3 * 8),
         "dapo": sum(r.sum() for r in rows) / 20,
+        "luspo": sum(r.sum() for r in rows) / 3,  # each row's loss times its length (LUSPO)
     }[loss_type]
     got = aggregate(x, mask, loss_type, max_new_tokens=8, num_tokens=20 if loss_type == "dapo" else None)
     torch.testing.assert_close(got, want)
@@ -758,7 +768,7 @@ BAD = [  # the facts each message must carry: the argument or flag, the value wh
         lambda: process_advantages(
             torch.zeros(3, 2), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2).bool(), 2, 4
         ),
-        "group_size must be an int >= 2 that divides",
+        r"group_size\b.*\b2\b.*\b3\b",  # its value and the rows it must divide
     ),
     (
         lambda: process_advantages(torch.zeros(2, 2), torch.tensor([[0, 4], [0, 1]]), _m[:, :2], 2, 4),

@@ -52,6 +52,8 @@ def test_step_metrics_are_the_hand_counted_values():
         "env_tokens": 2 / 3,
         "turns": 1 + 1 / 3,
         "is_capped": 0.125,  # the loss's, not the gap's (mode "none": 0)
+        "loss": 0.0,  # no optimizer step's metrics given (a skipped step): 0, not missing
+        "grad_norm": 0.0,
     }
     gaps = [0.5, 0.5, 0.0, 0.0, 0.0, 0.0, 0.25, 1.0]  # |first - sample| on the 8 own tokens
     want.update(dlogp_mean=sum(gaps) / 8, dlogp_max=1.0)
@@ -67,3 +69,21 @@ def test_a_run_without_environments_logs_no_env_metrics():
     got = run.step_metrics(_rollout(), torch.tensor([1.0, 0.0]), torch.tensor(0.0), {})
     assert not {k for k in got if k.startswith(("env", "turns", "dlogp"))}
     assert got["completion_len"] == pytest.approx(8 / 3)
+
+
+def test_each_optimizer_steps_metrics_are_logged_as_its_own_and_reduced_over_them():
+    """Two optimizer steps' metrics (mu x steps_per_generation > 1): each as update{i}/<name>, and the step's own
+    reduced over them as the name says (loss, grad_norm: the mean; *_max: the max; *_min: the min); one optimizer
+    step logs no update{i}/ keys. Fails if an update's metrics are dropped or numbered from 0, if the step's loss or
+    grad_norm is the last update's or their sum, or if a _max / _min is averaged."""
+    per_update = [
+        {"loss": 1.0, "grad_norm": 2.0, "ratio_max": 1.5, "ratio_min": 0.9, "lr": 1e-3},
+        {"loss": 3.0, "grad_norm": 6.0, "ratio_max": 1.2, "ratio_min": 0.5, "lr": 2e-3},
+    ]
+    got = run.step_metrics(_rollout(), torch.tensor([1.0, 0.0]), torch.tensor(0.0), {}, per_update)
+    want = {"loss": 2.0, "grad_norm": 4.0, "ratio_max": 1.5, "ratio_min": 0.5}
+    want.update({f"update{i}/{k}": v for i, u in enumerate(per_update, 1) for k, v in u.items()})
+    for k, v in want.items():
+        assert got[k] == pytest.approx(v, rel=1e-6), k
+    one = run.step_metrics(_rollout(), torch.tensor([1.0, 0.0]), torch.tensor(0.0), {}, per_update[:1])
+    assert (one["loss"], one["grad_norm"]) == (1.0, 2.0) and not [k for k in one if k.startswith("update")]

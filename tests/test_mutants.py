@@ -14,14 +14,9 @@ from grpo import (
     Objective,
     aggregate,
     behaviour_weights,
-    cispo_surrogate,
     clipped_surrogate,
-    full_kl,
     grpo_loss,
     kl_estimate,
-    process_advantages,
-    sapo_surrogate,
-    top_entropy_mask,
 )
 from gsm8k import extract_gold
 from rewards import (
@@ -32,9 +27,9 @@ from rewards import (
     correctness_reward,
     extract_boxed,
     format_reward,
-    overlong_reward,
     parse_weights,
 )
+from variants import cispo_surrogate, full_kl, overlong_reward, process_advantages, sapo_surrogate, top_entropy_mask
 
 F64 = dict(dtype=torch.float64)
 NO_KL = Objective(beta=0.0)
@@ -241,6 +236,11 @@ def test_objective_bounds_accept_their_edge_and_name_the_choices():
     with pytest.raises(ValueError) as e:
         Objective(loss_type="ppo")
     assert f"--loss-type 'ppo': choose from {', '.join(LOSS_TYPES)}" in str(e.value)
+
+
+def test_entropy_coef_bounds_message_whole():
+    """Fails if Objective's entropy_coef_min <= entropy_coef_max message is changed (e.g. wrapped as "XX...XX")."""
+    _raises("entropy_coef_min must be <= entropy_coef_max", Objective, entropy_coef_min=0.5, entropy_coef_max=0.25)
 
 
 def test_delta_just_above_one_plus_eps_high_is_accepted():

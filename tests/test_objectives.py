@@ -13,11 +13,10 @@ from grpo import (
     Objective,
     aggregate,
     behaviour_weights,
-    cispo_surrogate,
     grpo_loss,
     importance_ratio,
-    sapo_surrogate,
 )
+from variants import cispo_surrogate, sapo_surrogate
 
 NEW = ("cispo", "sapo")
 TAU = (1.0, 1.05)  # SAPO's temperatures for A > 0 and A <= 0: the paper's and TRL's defaults

@@ -5,10 +5,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import envs
 from conftest import EOS, VOCAB, make_tokenizer
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 import rewards
+import variants
 from gsm8k import extract_gold
 import tasks
 from rewards import (
@@ -22,14 +24,15 @@ from rewards import (
     extract_strict,
     format_reward,
     has_final_answer,
-    overlong_reward,
 )
+from variants import overlong_reward
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def test_docstring_examples():
-    result = doctest.testmod(rewards)
+@pytest.mark.parametrize("module", [rewards, variants])
+def test_docstring_examples(module):
+    result = doctest.testmod(module)
     assert result.attempted > 0 and result.failed == 0  # a module whose examples were all lost runs none
 
 
@@ -140,8 +143,8 @@ def test_tool_reward_is_one_where_a_call_ran_and_tool_cost_counts_every_call():
     is not minus the number of calls (sign, errors left out, a constant)."""
     calls, errors = [0, 1, 1, 3, 3], [0, 0, 1, 3, 1]  # none; one that ran; one that errored; all errored; two of 3 ran
     kw = dict(tool_calls=calls, tool_errors=errors)
-    assert rewards.tool_reward(["x"] * 5, **kw) == [0.0, 1.0, 0.0, 0.0, 1.0]  # 1 iff some call ran: calls > errors
-    assert rewards.tool_cost(["x"] * 5, **kw) == [0.0, -1.0, -1.0, -3.0, -3.0]  # -calls, errored ones counted
+    assert envs.tool_reward(["x"] * 5, **kw) == [0.0, 1.0, 0.0, 0.0, 1.0]  # 1 iff some call ran: calls > errors
+    assert envs.tool_cost(["x"] * 5, **kw) == [0.0, -1.0, -1.0, -3.0, -3.0]  # -calls, errored ones counted
 
 
 def test_overlong_reward_dapo_eq13():

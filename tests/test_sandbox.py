@@ -800,3 +800,19 @@ def test_real_failing_call_reply_shows_the_error(real_model, gsm8k_dir, monkeypa
     assert 0 < length and env.max_reply_tokens == 64
     read = tok.decode(r.completion_ids[0, n : n + length])
     assert r.env_state[0]["tool_errors"] == 1 and "ZeroDivisionError: division by zero" in read, read
+
+
+def test_the_process_scan_reads_a_name_that_is_not_utf8():
+    """Fails if sandbox._uid_pids decodes /proc/PID/status strictly: a live process whose name is not UTF-8 (the
+    kernel cuts a name at 15 bytes, mid-character) would end every python tool call in a UnicodeDecodeError."""
+    code = "import ctypes, time; ctypes.CDLL(None).prctl(15, b'bad\\xc7name', 0, 0, 0); print(1, flush=True)"
+    code += "; time.sleep(60)"  # PR_SET_NAME = 15
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline().strip() == b"1"  # named by now
+        with open(f"/proc/{proc.pid}/comm", "rb") as f:
+            assert b"\xc7" in f.read()  # the planted name is there, not UTF-8
+        assert proc.pid in sandbox._uid_pids(os.getuid())
+    finally:
+        proc.kill()
+        proc.wait()

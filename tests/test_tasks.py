@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import FULL, FULL_COUNTS, VOCAB, make_tokenizer
 
+import envs
 import extra_tasks
 import gsm8k
 import tasks
@@ -384,7 +385,7 @@ def test_tasks_table():
     )
     every = {**TASKS, **extra_tasks.EXTRA}
     for task in every.values():  # each weight names a reward: the task's own, else rewards.REWARDS'
-        assert set(task.reward_weights) <= {*REWARDS, *task.reward_fns}
+        assert set(task.reward_weights) <= {*REWARDS, *task.reward_fns, *(envs.REWARDS if task.env else ())}
     text = "4 * 2 = 8\n#### 8"
     assert extra_tasks.get("arith_steps").step_rewards(text, {"answer": "8"}) == arith_step_rewards(
         text, {"answer": "8"}
