@@ -311,15 +311,14 @@ def no_grad_passes(r, micro, *, policy, ref, updates):
     return ref_logp, ref_hidden, old_logp
 
 
-def accumulate(r, part, micro, policy, obj, *, adv, loss_mask, ref_logp, ref_hidden, old_logp, counts, first_logp=None):
-    """4. One pass over the micro-batches `part` (a range: an update's) of r, the step's Rollout, gradients accumulated
+def accumulate(r, batches, js, policy, obj, *, adv, loss_mask, ref_logp, ref_hidden, old_logp, counts, first_logp=None):
+    """4. One pass over batches[j] for j in js (an update's): r's (the step's Rollout) MicroBatches, gradients summed
     -> {metric: [a value a micro-batch]}. (N, C) each: loss_mask, the reference's log-probs (None: none, or the exact
     KL's hidden states a micro-batch), the policy's before this batch's updates (or None); adv (N, 1) or (N, C);
     counts: the update's rows and tokens that train, over ranks; first_logp (N, C), given: takes the log-probs."""
     stats, ref_head = {}, ref.get_output_embeddings() if exact_kl else None
     with rollout.cast_once(device):  # each weight cast to bf16 once for the micro-batches
-        batches = list(rollout.micro_batches(r, micro))
-        for j in part:
+        for j in js:
             rows, ids, mask, c, sizes, kept = batches[j]
             kl_ref = rollout.RefStates(ref_head, ref_hidden[j]) if exact_kl else None
             with autocast:  # entropy is always logged; it enters the loss only through the entropy knobs
@@ -412,13 +411,14 @@ for step in tqdm(range(start_step, args.steps), initial=start_step, total=args.s
     first_logp = old_logp if old_logp is not None or skip else torch.zeros(r.sample_logp.shape, device=device)
     per_update = []
     inputs = dict(adv=adv, loss_mask=loss_mask, ref_logp=ref_logp, ref_hidden=ref_hidden, old_logp=old_logp)
+    batches = list(rollout.micro_batches(r, micro))  # once a step: each update takes its part
     for part in list(range(k)) * (0 if skip else args.mu):  # mu passes, k parts each
         rows = slice(part * N // k, (part + 1) * N // k)
         counts = [run.all_reduce(x[rows].sum().float()).clamp(min=1) for x in (keep, loss_mask)]  # over ranks
         step_obj = replace(obj, entropy_coef=checkpointed["entropy"].applied()) if obj.use_adaptive_entropy else obj
-        batches = range(part * N // k // micro, -(-(part + 1) * N // k // micro))  # the part's whole micro-batches
+        js = range(part * N // k // micro, -(-(part + 1) * N // k // micro))  # the part's whole micro-batches
         first = first_logp if old_logp is None else None
-        out = accumulate(r, batches, micro, policy, step_obj, **inputs, counts=counts, first_logp=first)
+        out = accumulate(r, batches, js, policy, step_obj, **inputs, counts=counts, first_logp=first)
         grad_norm, lr, bad_steps = update(out["loss"], step, bad_steps)
         row = {key: run.reduce(key, v) for key, v in out.items()}
         per_update.append({**row, "loss": sum(out["loss"]), "grad_norm": grad_norm, "lr": lr})

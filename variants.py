@@ -175,7 +175,7 @@ class EntropyControl:
 
 
 # --- sampling: the kept set of top_k / top_p / min_p (rollout.Sampler's), a bit a vocabulary entry
-def kept_set(z, top_k=0, top_p=1.0, min_p=None):
+def kept_set(z, top_k, top_p, min_p):  # rollout.Sampler's knobs
     """The tokens a truncated sampler may draw, from its logits z (N, V): the top_k likeliest (0: all), then of those,
     renormalised, the likeliest whose mass before them is < top_p (nucleus), then those with q >= min_p x the top
     q; the likeliest always kept, ties in token order. -> bool (N, V)"""
